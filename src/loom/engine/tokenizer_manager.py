@@ -1,0 +1,70 @@
+"""The front end's half of a request: chat templates, tokenisation and incremental
+detokenisation (correct when a multi-byte character spans tokens)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    It decodes a short window ``ids[prefix_offset:]`` and emits only what extends the window's
+    previously decoded text, holding back text that ends in an incomplete UTF-8 sequence (U+FFFD)
+    until the next token completes it. The concatenated deltas equal ``decode(ids)``.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith(_REPLACEMENT)):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, context_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,84 @@
+"""The attention_backend family.
+
+A backend computes attention for one layer over the paged KV pool. Per batch, the model runner
+calls ``init_forward_metadata`` once; it is split into two parts so that CUDA graphs need no
+contract change:
+
+- ``prepare_host(batch)``: anything that reads host-side lists or sizes (may sync, allocate);
+- ``prepare_device(batch, metadata)``: tensor work only, on buffers whose shapes depend on the
+  batch size alone, so it can be recorded into a CUDA graph and replayed.
+
+Then each attention layer calls ``forward``, which writes the new tokens' K/V into the pool at
+``batch.out_cache_loc`` and dispatches to ``forward_extend`` or ``forward_decode``. Inputs
+``q``/``k``/``v`` are ``[num_tokens, heads * head_dim]``; the output is ``[num_tokens,
+num_heads * head_dim]``. A backend must give the same result as ``torch_native`` (the oracle),
+within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from loom.layers.attention.layer import Attention
+    from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
+    from loom.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """What a backend is built from (per rank)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    kv_pool: KVPool
+    req_to_token_pool: ReqToTokenPool
+
+
+class AttentionBackend(ABC):
+    supports_cuda_graph: bool = False
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def is_supported(cls, device: torch.device) -> bool:
+        """Whether this backend can run on ``device`` (used by --attention-backend auto)."""
+        return True
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        metadata = self.prepare_host(batch)
+        self.prepare_device(batch, metadata)
+        batch.attn_metadata = metadata
+
+    @abstractmethod
+    def prepare_host(self, batch: ForwardBatch) -> Any:
+        """Host-side preparation; returns the metadata object layers will see."""
+
+    def prepare_device(self, batch: ForwardBatch, metadata: Any) -> None:  # noqa: B027
+        """Graph-safe device-side preparation (fills buffers inside ``metadata``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:
+        if save_kv:
+            batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.is_decode:
+            return self.forward_decode(q, layer, batch)
+        return self.forward_extend(q, layer, batch)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+                       ) -> torch.Tensor:
+        """New tokens attend causally to the cached prefix plus themselves (KV already saved)."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+                       ) -> torch.Tensor:
+        """One query token per request attends to the request's whole KV (already saved)."""

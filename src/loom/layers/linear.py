@@ -1,0 +1,144 @@
+"""Linear layers, tensor-parallel ready.
+
+Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)`` that takes the
+*full* checkpoint tensor and copies this rank's shard into place, so the generic loader never knows
+about sharding or packing. Packed layers (qkv, gate_up) take a ``shard_id`` naming the part.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.distributed import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by a loader (or the dummy loader).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+
+    def _init_params(self, out_features: int, in_features: int, bias: bool) -> None:
+        self.weight = _param(out_features, in_features)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param(out_features)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
+        self._init_params(output_size, input_size, bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A with A split along its output dimension; each rank holds output_size / tp rows."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self._init_params(self.output_size_per_partition, input_size, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        size = param.shape[0]
+        _copy(param, loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked into one (e.g. gate_up); shard_id is the index."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:  # a checkpoint that already stores the merged matrix
+            return super().weight_loader(param, loaded)
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        offset = sum(divide(s, self.tp_size) for s in self.output_sizes[:shard_id])
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections; shard_id is "q", "k" or "v". KV heads are replicated when there
+    are fewer of them than TP ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size)
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear loads q, k and v separately")
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A with A split along its input dimension; partial results are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
+        super().__init__(input_size, output_size, bias)
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self._init_params(output_size, self.input_size_per_partition, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # bias: added once, after the reduction
+            return _copy(param, loaded)
+        size = param.shape[1]
+        _copy(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        return y if self.bias is None else y + self.bias

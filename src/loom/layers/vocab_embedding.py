@@ -1,0 +1,49 @@
+"""Vocabulary-parallel embedding and LM head (each rank holds a contiguous slice of the vocab)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_size = get_tp_size()
+        per_rank = -(-vocab_size // self.tp_size)
+        self.start = get_tp_rank() * per_rank
+        self.end = min(self.start + per_rank, vocab_size)
+        # Padded to the same size on every rank so that gathers line up.
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        shard = loaded[self.start : self.end]
+        if shard.shape[1:] != param.shape[1:]:
+            raise ValueError(f"embedding shape mismatch: {tuple(loaded.shape)} vs "
+                             f"{tuple(param.shape)}")
+        param.data[: shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids < self.start) | (input_ids >= self.end)
+        local = (input_ids - self.start).masked_fill(mask, 0)
+        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits)
+        return logits[..., : self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection (``compute_logits``); a tied model uses its embedding instead."""

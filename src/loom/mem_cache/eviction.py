@@ -1,0 +1,49 @@
+"""The radix_eviction_policy family: which evictable radix-cache leaf goes first.
+
+A policy gives each evictable leaf a sort key; the radix cache evicts leaves in ascending key
+order (the smallest key goes first). Policies never mutate nodes in ``key``; they may keep their
+own bookkeeping in ``on_insert`` / ``on_access`` / ``on_remove``, which the cache calls exactly
+once per event. ``key`` must be cheap and deterministic for a given node state: the cache may call
+it any number of times (e.g. to rebuild its heap), and equal keys break ties by insertion order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+
+class EvictableNode(Protocol):
+    """What a policy may read from a radix-tree node."""
+
+    creation_time: float  # monotonic time the node was created
+    last_access_time: float  # monotonic time of the last match or insert through it
+    hit_count: int  # number of times a request matched through the node
+    priority: int  # max `priority` of the requests that used the subtree (higher = keep longer)
+
+
+class RadixEvictionPolicy(ABC):
+    """Orders evictable leaves. Smallest key is evicted first."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @abstractmethod
+    def key(self, node: EvictableNode) -> Any:
+        """A sort key for ``node``; smaller keys are evicted first."""
+
+    def on_insert(self, node: EvictableNode) -> None:  # noqa: B027 - optional hook
+        """Called once when ``node`` is created."""
+
+    def on_access(self, node: EvictableNode) -> None:  # noqa: B027 - optional hook
+        """Called once each time a match or insert passes through ``node``."""
+
+    def on_remove(self, node: EvictableNode) -> None:  # noqa: B027 - optional hook
+        """Called once when ``node`` leaves the tree (evicted or merged away)."""
+
+
+class LRUPolicy(RadixEvictionPolicy):
+    """Least recently used goes first (SGLang's default)."""
+
+    def key(self, node: EvictableNode) -> Any:
+        return node.last_access_time

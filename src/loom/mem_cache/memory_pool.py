@@ -1,0 +1,89 @@
+"""KV memory: the request-to-token table, the paged KV pool and its page allocator.
+
+Invariants:
+- Page 0 is never handed out: its slots are padding targets that kernels may read but whose
+  contents never matter. So ``num_pages`` usable pages back ``(num_pages + 1) * page_size`` slots.
+- A page is either free (in the allocator) or owned by exactly one holder (a request, later the
+  radix cache); ``PageAllocator.num_free + owned == num_pages`` at all times.
+- Row ``r`` of the req-to-token table maps a request's positions ``0..seq_len-1`` to KV slots;
+  positions past ``seq_len`` hold stale but valid slot numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(size - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, index: int) -> None:
+        self._free.append(index)
+
+
+class PageAllocator:
+    """Hands out KV pages; page ids are 1..num_pages (page 0 is the padding page)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_slots = (num_pages + 1) * page_size
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_buffers[layer_id][loc] = k.view(shape).to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.view(shape).to(self.dtype)

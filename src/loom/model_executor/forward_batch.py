@@ -1,0 +1,51 @@
+"""What one model forward needs: flattened token tensors plus per-request layout.
+
+Tokens of all requests are concatenated (no padding): ``input_ids``, ``positions`` and
+``out_cache_loc`` have one entry per token, ``seq_lens``/``req_pool_indices`` one per request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from loom.layers.attention.base import AttentionBackend
+    from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # new tokens (a prompt or a chunk of it) attend to a cached prefix + themselves
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    out_cache_loc: torch.Tensor  # [num_tokens] KV slots the new tokens are written to
+    req_pool_indices: torch.Tensor  # [batch_size] rows of the req-to-token table
+    seq_lens: torch.Tensor  # [batch_size] KV length of each request after this forward
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int] | None = None  # EXTEND: tokens already in the KV cache
+    extend_seq_lens_cpu: list[int] | None = None  # EXTEND: new tokens per request
+    req_to_token_pool: ReqToTokenPool | None = None
+    kv_pool: KVPool | None = None
+    attn_backend: AttentionBackend | None = None
+    attn_metadata: Any = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.forward_mode is ForwardMode.DECODE
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index of each request's last new token in the flattened token dimension."""
+        if self.is_decode:
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.long).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

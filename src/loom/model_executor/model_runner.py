@@ -1,0 +1,179 @@
+"""ModelRunner: owns the device, the model, the KV memory and the attention backend, and turns
+the scheduler's host-side batches into device tensors and logits."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom import plugins
+from loom.distributed import get_tp_size
+from loom.layers.attention.base import AttentionContext
+from loom.mem_cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
+from loom.model_executor.forward_batch import ForwardBatch, ForwardMode
+from loom.model_loader.base import DeviceConfig, ModelConfig
+from loom.model_loader.model_path import resolve_model_path
+
+if TYPE_CHECKING:
+    from loom.config import ServerArgs
+    from loom.scheduler.request import Req
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --attention-backend auto: the first registered, supported backend in this order wins.
+_AUTO_BACKENDS = {"cuda": ["flashinfer", "triton", "flash_attention", "torch_native"],
+                  "cpu": ["torch_native"]}
+_MAX_AUTO_RUNNING = 512
+_CPU_MAX_AUTO_TOKENS = 1 << 18
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, loader=None) -> None:
+        args = server_args
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        torch.manual_seed(args.random_seed)
+        if loader is None:
+            loader = plugins.resolve("model_loader", args.load_format)()
+        self.loader = loader
+        self.model_path = resolve_model_path(args.model)
+        hf_config = loader.load_hf_config(self.model_path)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"the model config at {self.model_path} names no `architectures`")
+        model_context = getattr(hf_config, "max_position_embeddings", 2048)
+        self.model_config = ModelConfig(
+            path=self.model_path, hf_config=hf_config, dtype=self.dtype,
+            context_len=args.context_length or model_context, architecture=archs[0],
+            seed=args.random_seed)
+        self.vocab_size = hf_config.vocab_size
+        self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
+        self._init_memory()
+        self._init_attention_backend()
+
+    # ---- memory ---------------------------------------------------------------------------
+
+    def _init_memory(self) -> None:
+        args = self.args
+        model_cls = type(self.model)
+        num_layers, num_kv_heads, head_dim = model_cls.kv_cache_shape(self.model_config.hf_config)
+        tp = get_tp_size()
+        attn_heads = max(1, num_kv_heads // tp)  # KV heads are replicated when fewer than ranks
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, attn_heads, head_dim
+        per_token = KVPool.bytes_per_token(num_layers, attn_heads, head_dim, self.dtype)
+        if args.max_total_tokens is not None:
+            max_tokens = args.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            frac = args.mem_fraction_static or 0.85
+            budget = free - total * (1 - frac)
+            max_tokens = int(budget // per_token)
+        else:
+            frac = args.mem_fraction_static or 0.25
+            max_tokens = min(int(_available_host_memory() * frac // per_token),
+                             _CPU_MAX_AUTO_TOKENS)
+        num_pages = max_tokens // args.page_size
+        if num_pages < 1:
+            raise ValueError(f"no room for a KV cache: {max_tokens} tokens; raise "
+                             "--max-total-tokens or --mem-fraction-static")
+        self.max_total_tokens = num_pages * args.page_size
+        self.max_running_requests = args.max_running_requests or max(
+            1, min(_MAX_AUTO_RUNNING, self.max_total_tokens // 2))
+        self.kv_pool = KVPool(num_pages, args.page_size, num_layers, attn_heads, head_dim,
+                              self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages, args.page_size)
+        # +1 spare row so a request can be set up while max_running are active (retraction).
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1,
+                                                self.model_config.context_len, self.device)
+        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens,
+                    num_pages, args.page_size, per_token * self.max_total_tokens / 2**20)
+
+    def _init_attention_backend(self) -> None:
+        name = self.args.attention_backend
+        if name == "auto":
+            registered = set(plugins.names("attention_backend"))
+            for candidate in _AUTO_BACKENDS.get(self.device.type, ["torch_native"]):
+                if candidate in registered:
+                    cls = plugins.resolve("attention_backend", candidate)
+                    if cls.is_supported(self.device):
+                        name = candidate
+                        break
+        self.attention_backend_name = name
+        cls = plugins.resolve("attention_backend", name)
+        if not cls.is_supported(self.device):
+            raise ValueError(f"attention backend {name!r} does not support {self.device}")
+        heads = self.model_config.hf_config.num_attention_heads // get_tp_size()
+        self.attn_backend = cls(AttentionContext(
+            num_heads=heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            dtype=self.dtype, device=self.device, kv_pool=self.kv_pool,
+            req_to_token_pool=self.req_to_token_pool))
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        batch.req_to_token_pool = self.req_to_token_pool
+        batch.kv_pool = self.kv_pool
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    @torch.inference_mode()
+    def forward_extend(self, reqs: list[Req], input_ids: list[int], positions: list[int],
+                       prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        table = self.req_to_token_pool.req_to_token
+        pool_idx = [r.req_pool_idx for r in reqs]
+        out_loc = torch.cat([table[i, p:s] for i, p, s in zip(pool_idx, prefix_lens, seq_lens,
+                                                             strict=True)])
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=len(reqs),
+            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
+            out_cache_loc=out_loc, req_pool_indices=self._tensor(pool_idx),
+            seq_lens=self._tensor(seq_lens), seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens))
+        return self._run(batch)
+
+    @torch.inference_mode()
+    def forward_decode(self, reqs: list[Req], input_ids: list[int], positions: list[int],
+                       out_cache_loc: torch.Tensor) -> torch.Tensor:
+        seq_lens = [p + 1 for p in positions]
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
+            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
+            out_cache_loc=out_cache_loc.to(self.device),
+            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
+            seq_lens=self._tensor(seq_lens), seq_lens_cpu=seq_lens)
+        return self._run(batch)

@@ -1,0 +1,86 @@
+"""The model_loader family (``--load-format``): turn a model path into config, tokenizer and a
+model with weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # resolved local path (directory, .gguf file or config .json)
+    hf_config: Any  # transformers PretrainedConfig
+    dtype: torch.dtype
+    context_len: int
+    architecture: str
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+
+
+class ModelLoader(ABC):
+    """Loads models of one format.
+
+    Contract: ``load_hf_config`` and ``load_tokenizer`` read only local files (never a hub);
+    ``load_model`` returns an ``eval()`` model on ``device_config.device`` in
+    ``model_config.dtype`` with every parameter written, built by the model family's class for
+    ``model_config.architecture``.
+    """
+
+    @classmethod
+    def can_load(cls, path: str) -> bool:
+        """Whether this loader understands ``path`` (used by ``--load-format auto``)."""
+        return False
+
+    def load_hf_config(self, path: str) -> Any:
+        from transformers import AutoConfig, PretrainedConfig
+
+        if path.endswith(".json"):
+            with open(path) as f:
+                data = json.load(f)
+            model_type = data.get("model_type")
+            if model_type:
+                return AutoConfig.for_model(**data)
+            return PretrainedConfig(**data)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+
+    def load_tokenizer(self, path: str) -> Any | None:
+        from transformers import AutoTokenizer
+
+        if not os.path.isdir(path):
+            return None
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    @abstractmethod
+    def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module: ...
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+    """Instantiate the registered class for the architecture, uninitialised, on the device."""
+    from loom import plugins
+
+    cls = plugins.resolve("model", model_config.architecture)
+    with _default_dtype(model_config.dtype), torch.device(device_config.device):
+        model = cls(model_config.hf_config)
+    return model

@@ -1,0 +1,102 @@
+"""Built-in loaders: auto, safetensors, dummy (gguf lives in gguf_loader.py)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from loom import plugins
+from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader, build_model
+
+
+def _safetensors_files(path: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+
+
+class SafetensorsLoader(ModelLoader):
+    """An HF directory: config.json, *.safetensors and tokenizer files."""
+
+    @classmethod
+    def can_load(cls, path: str) -> bool:
+        return bool(_safetensors_files(path))
+
+    def iterate_weights(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        files = _safetensors_files(path)
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name)
+
+    def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        model = build_model(model_config, device_config)
+        weights = tqdm(self.iterate_weights(model_config.path), desc="Loading safetensors",
+                       unit="tensor", leave=False)
+        model.load_weights(weights)
+        return model.eval()
+
+
+class DummyLoader(ModelLoader):
+    """Random weights from a config (a directory or a config .json), for benchmarks."""
+
+    @classmethod
+    def can_load(cls, path: str) -> bool:
+        return False  # never picked by auto: random weights must be asked for
+
+    def load_tokenizer(self, path: str):
+        try:
+            return super().load_tokenizer(path)
+        except Exception:
+            return None
+
+    def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        model = build_model(model_config, device_config)
+        gen = torch.Generator(device=device_config.device).manual_seed(model_config.seed)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.data.fill_(1.0)
+            else:  # small values keep activations finite through many layers
+                param.data.uniform_(-0.02, 0.02, generator=gen)
+        return model.eval()
+
+
+class AutoLoader(ModelLoader):
+    """Picks the first registered loader whose ``can_load`` accepts the path."""
+
+    def __init__(self) -> None:
+        self._picked: dict[str, ModelLoader] = {}  # one loader per path, so it can keep state
+
+    def _pick(self, path: str) -> ModelLoader:
+        if path not in self._picked:
+            self._picked[path] = self._find(path)
+        return self._picked[path]
+
+    def _find(self, path: str) -> ModelLoader:
+        for entry in plugins.entries("model_loader"):
+            if entry.name == "auto":
+                continue
+            try:
+                cls = plugins.resolve("model_loader", entry.name)
+            except plugins.RegistryError:
+                continue
+            if isinstance(cls, type) and cls.can_load(path):
+                return cls()
+        raise ValueError(f"no model loader recognises {path!r}; pass --load-format "
+                         f"({', '.join(plugins.names('model_loader'))})")
+
+    def load_hf_config(self, path):
+        return self._pick(path).load_hf_config(path)
+
+    def load_tokenizer(self, path):
+        return self._pick(path).load_tokenizer(path)
+
+    def load_model(self, model_config, device_config):
+        return self._pick(model_config.path).load_model(model_config, device_config)

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_packed_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed_modules_mapping: dict[str, list[tuple[str, str | int]]],
+    skip: Iterable[str] = (),
+) -> set[str]:
+    """Route HF-named checkpoint tensors into ``model``'s (possibly fused) parameters.
+
+    ``packed_modules_mapping`` maps a fused module name to its checkpoint parts and their shard
+    ids, e.g. ``{"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}``. Names that
+    contain any string in ``skip`` are ignored. Returns the parameter names that were loaded; an
+    unknown checkpoint name raises, so a wrong mapping never loads silently.
+    """
+    params = dict(model.named_parameters())
+    parts = [(f".{part}.", f".{fused}.", shard)
+             for fused, members in packed_modules_mapping.items() for part, shard in members]
+    skip = tuple(skip)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if any(s in name for s in skip):
+            continue
+        for part, fused, shard in parts:
+            if part in name:
+                target = name.replace(part, fused)
+                break
+        else:
+            target, shard = name, None
+        param = params.get(target)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no parameter {target!r} in "
+                           f"{type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(param.dtype), shard) if shard is not None else loader(
+            param, tensor.to(param.dtype))
+        loaded.add(target)
+    return loaded

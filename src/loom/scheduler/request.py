@@ -1,0 +1,57 @@
+"""A request as the scheduler sees it, and what the scheduler reports back per step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.sampling.sampling_params import SamplingParams
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.output_ids: list[int] = []
+        self.finished_reason: dict[str, Any] | None = None
+        self.error: str | None = None
+        # KV state: positions [0, kv_len) are cached in pages ``kv_pages`` (row req_pool_idx).
+        self.req_pool_idx: int | None = None
+        self.kv_pages: list[int] = []
+        self.kv_len = 0
+        self.cached_tokens = 0  # prompt tokens served from a prefix cache
+        self.num_retractions = 0
+        self.arrival_time = time.monotonic()
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV the request needs: the prompt plus everything generated so far."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, "
+                f"out={len(self.output_ids)}, kv={self.kv_len})")
+
+
+@dataclass
+class ReqOutput:
+    """New tokens of one request after one step (``finished_reason`` set on its last output)."""
+
+    rid: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finished_reason: dict[str, Any] | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)

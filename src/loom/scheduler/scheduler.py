@@ -1,0 +1,347 @@
+"""The scheduler: continuous batching over the paged KV pool.
+
+Each ``step()`` picks one batch, runs it and turns sampled tokens into ``ReqOutput``s:
+
+1. Aborts are applied (KV pages return to the pool at once).
+2. Prefill first: the chunked request (if any) continues, then waiting requests are admitted in
+   the schedule policy's order while they fit: a free request slot, the prefill token budget and
+   enough free KV after reserving decode room for everyone running. A prompt longer than
+   ``chunked_prefill_size`` is prefilled in chunks over several steps (one chunked request at a
+   time).
+3. Otherwise decode every running request by one token. If the pool cannot hold one more token
+   per request, the request that has done the least work is *retracted*: its pages are freed and it
+   goes back to the front of the queue with its output so far, to be re-prefilled later. Greedy
+   output is unchanged by this.
+
+Invariant (checked by ``check_kv_balance``): every page is free or owned by exactly one request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom import plugins
+from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
+from loom.scheduler.request import Req, ReqOutput
+
+if TYPE_CHECKING:
+    from loom.config import ServerArgs
+    from loom.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ExtendItem:
+    req: Req
+    prefix_len: int
+    extend_len: int
+
+    @property
+    def completes(self) -> bool:
+        return self.prefix_len + self.extend_len == self.req.seq_len
+
+
+@dataclass
+class SchedulerStats:
+    num_retractions: int = 0
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, runner: ModelRunner,
+                 eos_token_ids: set[int]) -> None:
+        self.args = server_args
+        self.runner = runner
+        self.eos_token_ids = set(eos_token_ids)
+        self.allocator = runner.allocator
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.page_size = server_args.page_size
+        self.context_len = runner.model_config.context_len
+        self.max_running = runner.max_running_requests
+        chunk = server_args.chunked_prefill_size
+        if chunk is None:
+            chunk = 8192 if runner.device.type == "cuda" else 1024
+        self.chunk_size = math.inf if chunk == -1 else max(chunk, self.page_size)
+        self.max_prefill_tokens = server_args.max_prefill_tokens
+        policy_cls = plugins.resolve("schedule_policy", server_args.schedule_policy)
+        self.policy = policy_cls()
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self._aborts: set[str] = set()
+        self.init_new_token_ratio = min(1.0, 0.7 * server_args.schedule_conservativeness)
+        self.min_new_token_ratio = min(self.init_new_token_ratio,
+                                       0.14 * server_args.schedule_conservativeness)
+        self.new_token_ratio = self.init_new_token_ratio
+        self.stats = SchedulerStats()
+
+    # ---- intake ---------------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> list[ReqOutput]:
+        if req.sampling_params.max_new_tokens == 0:
+            req.finished_reason = {"type": "length", "length": 0}
+            return [self._output(req, [])]
+        self.waiting.append(req)
+        return []
+
+    def abort(self, rid: str) -> None:
+        self._aborts.add(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self._aborts)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[ReqOutput]:
+        outputs = self._apply_aborts()
+        items = self._schedule_extend()
+        if items:
+            outputs += self._run_extend(items)
+        elif self.running:
+            outputs += self._run_decode()
+        return outputs
+
+    # ---- aborts ---------------------------------------------------------------------------
+
+    def _apply_aborts(self) -> list[ReqOutput]:
+        if not self._aborts:
+            return []
+        outputs = []
+        rids, self._aborts = self._aborts, set()
+        for queue in (self.waiting, self.running):
+            for req in [r for r in queue if r.rid in rids]:
+                queue.remove(req)
+                outputs.append(self._finish_abort(req))
+        if self.chunked_req is not None and self.chunked_req.rid in rids:
+            outputs.append(self._finish_abort(self.chunked_req))
+            self.chunked_req = None
+        return outputs
+
+    def _finish_abort(self, req: Req, message: str = "aborted") -> ReqOutput:
+        self._release(req)
+        req.finished_reason = {"type": "abort", "message": message}
+        return self._output(req, [])
+
+    # ---- KV bookkeeping -------------------------------------------------------------------
+
+    def _alloc_kv(self, req: Req, num_tokens: int) -> torch.Tensor | None:
+        """Slots for positions [kv_len, kv_len + num_tokens) of ``req``; None if out of pages."""
+        ps = self.page_size
+        start, end = req.kv_len, req.kv_len + num_tokens
+        need = -(-end // ps) - len(req.kv_pages)
+        if need > 0:
+            pages = self.allocator.alloc(need)
+            if pages is None:
+                return None
+            req.kv_pages.extend(pages)
+        positions = torch.arange(start, end)
+        pages_t = torch.tensor(req.kv_pages, dtype=torch.int64)
+        locs = pages_t[positions // ps] * ps + positions % ps
+        table = self.req_to_token_pool.req_to_token
+        table[req.req_pool_idx, start:end] = locs.to(table.device)
+        return locs
+
+    def _release(self, req: Req) -> None:
+        if req.kv_pages:
+            self.allocator.free(req.kv_pages)
+            req.kv_pages = []
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.kv_len = 0
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserved_pages(self) -> int:
+        """Pages to keep free for requests already admitted (decode room and unfilled prompts)."""
+        total = 0
+        reqs = self.running + ([self.chunked_req] if self.chunked_req else [])
+        for req in reqs:
+            remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+            future = req.seq_len - req.kv_len + math.ceil(remaining * self.new_token_ratio)
+            total += self._pages_for(req.kv_len + future) - len(req.kv_pages)
+        return total
+
+    def check_kv_balance(self) -> None:
+        owners = self.running + list(self.waiting) + ([self.chunked_req] if self.chunked_req
+                                                      else [])
+        owned = sum(len(r.kv_pages) for r in owners)
+        free = self.allocator.num_free
+        if free + owned != self.allocator.num_pages:
+            raise AssertionError(f"KV pages do not balance: {free} free + {owned} owned != "
+                                 f"{self.allocator.num_pages}")
+
+    # ---- prefill --------------------------------------------------------------------------
+
+    def _schedule_extend(self) -> list[_ExtendItem]:
+        items: list[_ExtendItem] = []
+        budget = self.max_prefill_tokens
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            n = int(min(req.seq_len - req.kv_len, self.chunk_size, budget))
+            if self._alloc_kv(req, n) is None:
+                return []  # wait for running requests to free pages
+            items.append(_ExtendItem(req, req.kv_len, n))
+            budget -= n
+            if req.kv_len + n == req.seq_len:
+                self.chunked_req = None
+            else:
+                return items
+        if not self.waiting:
+            return items
+        ordered = self.policy.order(list(self.waiting))
+        free_pages = self.allocator.num_free - self._reserved_pages()
+        num_active = len(self.running) + len(items)
+        for req in ordered:
+            if budget <= 0 or num_active >= self.max_running:
+                break
+            if self.req_to_token_pool.num_free == 0:
+                break
+            remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+            need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
+            if need > free_pages:
+                if not self.running and not items and self.allocator.num_free >= \
+                        self._pages_for(req.seq_len + 1):
+                    pass  # nothing else runs: admit it; retraction/abort handles overflow
+                else:
+                    break
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            n = int(min(req.seq_len, self.chunk_size, budget))
+            if self._alloc_kv(req, n) is None:
+                self._release(req)
+                break
+            self.waiting.remove(req)
+            free_pages -= need
+            budget -= n
+            num_active += 1
+            items.append(_ExtendItem(req, 0, n))
+            if n < req.seq_len:
+                self.chunked_req = req
+                break
+        return items
+
+    def _run_extend(self, items: list[_ExtendItem]) -> list[ReqOutput]:
+        self.stats.num_prefill_batches += 1
+        input_ids, positions = [], []
+        for it in items:
+            input_ids += it.req.fill_ids[it.prefix_len : it.prefix_len + it.extend_len]
+            positions += range(it.prefix_len, it.prefix_len + it.extend_len)
+        reqs = [it.req for it in items]
+        logits = self.runner.forward_extend(
+            reqs, input_ids, positions,
+            prefix_lens=[it.prefix_len for it in items],
+            extend_lens=[it.extend_len for it in items],
+        )
+        for it in items:
+            it.req.kv_len += it.extend_len
+            self.stats.num_prompt_tokens += it.extend_len
+        done = [i for i, it in enumerate(items) if it.completes]
+        if not done:
+            return []
+        tokens = self._sample(logits[done], [reqs[i] for i in done])
+        outputs = []
+        for i, tok in zip(done, tokens, strict=True):
+            req = reqs[i]
+            outputs.append(self._append_token(req, tok))
+            if not req.is_finished:
+                self.running.append(req)
+        return outputs
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def _run_decode(self) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        outputs += self._ensure_decode_room()
+        if not self.running:
+            return outputs
+        self.stats.num_decode_batches += 1
+        reqs = list(self.running)
+        locs = []
+        for req in reqs:
+            loc = self._alloc_kv(req, 1)
+            assert loc is not None, "decode room was ensured"
+            locs.append(loc)
+        input_ids = [req.output_ids[-1] for req in reqs]
+        positions = [req.kv_len for req in reqs]
+        logits = self.runner.forward_decode(reqs, input_ids, positions, torch.cat(locs))
+        for req in reqs:
+            req.kv_len += 1
+        tokens = self._sample(logits, reqs)
+        for req, tok in zip(reqs, tokens, strict=True):
+            outputs.append(self._append_token(req, tok))
+        self.running = [r for r in self.running if not r.is_finished]
+        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
+        return outputs
+
+    def _ensure_decode_room(self) -> list[ReqOutput]:
+        outputs = []
+
+        def pages_needed() -> int:
+            return sum(1 for r in self.running if r.kv_len % self.page_size == 0)
+
+        while self.running and pages_needed() > self.allocator.num_free:
+            if len(self.running) == 1:
+                req = self.running.pop()
+                logger.error("KV pool too small for request %s", req.rid)
+                outputs.append(self._finish_abort(
+                    req, "the KV cache is too small for this request (raise --max-total-tokens)"))
+                break
+            # Retract the request that has done the least work (fewest outputs, longest prompt).
+            victim = min(self.running,
+                         key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self._release(victim)
+            victim.num_retractions += 1
+            self.stats.num_retractions += 1
+            self.waiting.appendleft(victim)
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+            logger.info("retracted %s to free KV pages", victim.rid)
+        return outputs
+
+    # ---- sampling and finishing -----------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.build(params, [len(r.output_ids) for r in reqs],
+                                       logits.shape[-1], logits.device)
+        if info.processors:
+            logits = apply_logits_processors(logits, info, params, [r.fill_ids for r in reqs])
+        return sample(logits, info).tolist()
+
+    def _append_token(self, req: Req, token: int) -> ReqOutput:
+        req.output_ids.append(token)
+        self.stats.num_generated_tokens += 1
+        p = req.sampling_params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.finished_reason = {"type": "stop", "matched": token}
+        elif len(req.output_ids) >= p.max_new_tokens:
+            req.finished_reason = {"type": "length", "length": p.max_new_tokens}
+        elif req.seq_len >= self.context_len:
+            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+        if req.is_finished:
+            self._release(req)
+        return self._output(req, [token])
+
+    def _output(self, req: Req, tokens: list[int]) -> ReqOutput:
+        return ReqOutput(
+            rid=req.rid,
+            new_token_ids=tokens,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            finished_reason=req.finished_reason,
+            error=req.error,
+        )
