@@ -261,6 +261,7 @@ class Engine:
             "cached_tokens": out.cached_tokens,
             "finish_reason": finished,
             "e2e_latency": time.monotonic() - st.start,
+            "ttft": (st.first_token_time or time.monotonic()) - st.start,
         }
         if out.error:
             meta["error"] = out.error

@@ -6,7 +6,9 @@ Invariants:
 - A page is either free (in the allocator) or owned by exactly one holder (a request, later the
   radix cache); ``PageAllocator.num_free + owned == num_pages`` at all times.
 - Row ``r`` of the req-to-token table maps a request's positions ``0..seq_len-1`` to KV slots;
-  positions past ``seq_len`` hold stale but valid slot numbers.
+  positions past ``seq_len`` hold stale slot numbers whose contents may be uninitialised, so a
+  backend that reads past ``seq_len`` must redirect those reads to slot 0 (the zeroed padding
+  page) — masking alone is not enough, since 0 * NaN is NaN.
 """
 
 from __future__ import annotations
@@ -72,8 +74,12 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialised (zeroing gigabytes costs seconds); only the padding page is zeroed, and
+        # backends read nothing but written slots and the padding page.
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:page_size].zero_()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,

@@ -7,6 +7,7 @@ weights equal what transformers loads from the same file.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader, build_model
+
+logger = logging.getLogger(__name__)
 
 # GGUF architecture -> HF architectures name. Architectures without a Loom model raise a clear
 # error at model resolution (the registry lists what exists).
@@ -68,9 +71,64 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+# Converting a GGUF's tokenizer and parsing its metadata takes seconds; both are cached on disk
+# (keyed by the file's name, size and mtime). For files under this size the dequantised weights are
+# cached too (as fp32 safetensors), which makes a restart take about a second.
+_WEIGHT_CACHE_MAX_FILE_BYTES = 512 * 2**20
+
+
+def cache_root() -> str:
+    return os.environ.get("LOOM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "loom")
+
+
 class GGUFLoader(ModelLoader):
     def __init__(self) -> None:
         self._readers: dict[str, Any] = {}
+
+    def _cache_dir(self, path: str) -> str | None:
+        if os.environ.get("LOOM_GGUF_CACHE", "1") == "0":
+            return None
+        st = os.stat(path)
+        stem = os.path.basename(path).removesuffix(".gguf")
+        return os.path.join(cache_root(), "gguf", f"{stem}-{st.st_size}-{int(st.st_mtime)}")
+
+    def _cached(self, path: str, part: str) -> str | None:
+        d = self._cache_dir(path)
+        return d if d is not None and os.path.exists(os.path.join(d, part)) else None
+
+    def _write_cache(self, path: str, config: Any, tokenizer: Any) -> None:
+        """Write config + tokenizer (+ weights for small files) atomically; errors are harmless."""
+        import shutil
+        import tempfile
+
+        d = self._cache_dir(path)
+        if d is None:
+            return
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(d), prefix=".tmp-")
+        try:
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            open(os.path.join(tmp, "meta.done"), "w").close()
+            if os.path.getsize(path) <= _WEIGHT_CACHE_MAX_FILE_BYTES:
+                from safetensors.torch import save_file
+
+                weights = dict(self._dequantized(path, config))
+                save_file(weights, os.path.join(tmp, "model.safetensors"))
+                open(os.path.join(tmp, "weights.done"), "w").close()
+            try:
+                os.rename(tmp, d)
+            except OSError:  # another process won the race
+                shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as e:
+            logger.warning("could not cache GGUF conversion in %s: %s", d, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _ensure_cache(self, path: str) -> str | None:
+        if self._cached(path, "meta.done") is None and self._cache_dir(path) is not None:
+            self._write_cache(path, self._convert_config(path), self._convert_tokenizer(path))
+        return self._cached(path, "meta.done")
 
     @classmethod
     def can_load(cls, path: str) -> bool:
@@ -96,6 +154,14 @@ class GGUFLoader(ModelLoader):
         return out
 
     def load_hf_config(self, path: str) -> Any:
+        from transformers import AutoConfig
+
+        cached = self._ensure_cache(path)
+        if cached is not None:
+            return AutoConfig.from_pretrained(cached)
+        return self._convert_config(path)
+
+    def _convert_config(self, path: str) -> Any:
         from transformers import AutoConfig
 
         meta = self._fields(path)
@@ -146,10 +212,30 @@ class GGUFLoader(ModelLoader):
     def load_tokenizer(self, path: str) -> Any:
         from transformers import AutoTokenizer
 
+        cached = self._ensure_cache(path)
+        if cached is not None:
+            return AutoTokenizer.from_pretrained(cached)
+        return self._convert_tokenizer(path)
+
+    def _convert_tokenizer(self, path: str) -> Any:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(os.path.dirname(path),
                                              gguf_file=os.path.basename(path))
 
     def iterate_weights(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor) pairs equal to what transformers loads from the file."""
+        cached = self._cached(path, "weights.done")
+        if cached is not None:
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(cached, "model.safetensors"), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    yield name, f.get_tensor(name)
+            return
+        yield from self._dequantized(path, hf_config)
+
+    def _dequantized(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
 
         num_heads = hf_config.num_attention_heads
@@ -160,13 +246,12 @@ class GGUFLoader(ModelLoader):
             if name is None:
                 continue
             w = dequantize(t.data, t.tensor_type)
-            if w.dtype != np.float32:
-                w = w.astype(np.float32)
+            w = np.array(w, dtype=np.float32)  # a writable copy (the reader memory-maps)
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 w = unpermute_rotary(w, num_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 w = unpermute_rotary(w, num_kv_heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(w))
+            yield name, torch.from_numpy(w)
 
     def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         model = build_model(model_config, device_config)

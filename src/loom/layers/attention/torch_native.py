@@ -55,11 +55,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if not batch.is_decode:
             return
         table = batch.req_to_token_pool.req_to_token
-        md.kv_indices = table[batch.req_pool_indices, : md.max_len]
         arange = torch.arange(md.max_len, device=table.device)
-        md.mask = (arange.unsqueeze(0) < batch.seq_lens.unsqueeze(1)).view(
-            batch.batch_size, 1, 1, md.max_len
-        )
+        valid = arange.unsqueeze(0) < batch.seq_lens.unsqueeze(1)
+        # Past seq_len, read the zeroed padding slot 0 instead of stale slots.
+        md.kv_indices = table[batch.req_pool_indices, : md.max_len].masked_fill(~valid, 0)
+        md.mask = valid.view(batch.batch_size, 1, 1, md.max_len)
 
     def forward_extend(self, q, layer, batch):
         md: _Metadata = batch.attn_metadata
