@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+from loom.model_loader.model_path import resolve_model_path
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache"  # git-ignored; HF's GGUF load takes ~30 s, so its result is kept here
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Write a haiku about the sea.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "List the days of the week.",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smol_gguf() -> str:
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_ref_dir(smol_gguf: str) -> str:
+    """SmolLM2 as HF transformers itself loads it from the GGUF (the oracle), saved once."""
+    out = CACHE / "hf-ref" / "smollm2-135m-instruct"
+    if not (out / "done").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        d, f = os.path.dirname(smol_gguf), os.path.basename(smol_gguf)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        out.mkdir(parents=True, exist_ok=True)
+        # save_pretrained refuses GGUF-"quantized" models; the weights are plain fp32 tensors.
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(out)
+        tok.save_pretrained(out)
+        (out / "done").touch()
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_ref_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_ref_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """One default engine (SmolLM2, fp32, CPU) shared by tests that don't need special flags."""
+    import loom
+
+    with loom.Engine(max_total_tokens=16384) as e:
+        yield e
+
+
+def chat_ids(engine, prompt: str) -> list[int]:
+    return engine.apply_chat_template([{"role": "user", "content": prompt}])
