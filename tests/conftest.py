@@ -40,7 +40,7 @@ def smol_gguf() -> str:
 @pytest.fixture(scope="session")
 def hf_ref_dir(smol_gguf: str) -> str:
     """SmolLM2 as HF transformers itself loads it from the GGUF (the oracle), saved once."""
-    out = CACHE / "hf-ref" / "smollm2-135m-instruct"
+    out = CACHE / "hf-ref" / "smollm2-135m-instruct-v2"
     if not (out / "done").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,6 +56,7 @@ def hf_ref_dir(smol_gguf: str) -> str:
             state.pop("lm_head.weight", None)
         save_file(state, out / "model.safetensors", metadata={"format": "pt"})
         config = model.config
+        config.architectures = [type(model).__name__]
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(out)
