@@ -44,6 +44,7 @@ class RotaryEmbedding(nn.Module):
         # fp32 caches, indexed by position; cast to the activation dtype per call like HF does.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._last: tuple | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -57,8 +58,14 @@ class RotaryEmbedding(nn.Module):
         return out.view(num_tokens, -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        # Layers share one instance (get_rope) and the same positions tensor within a forward,
+        # so the cos/sin gather is done once per forward, not once per layer.
+        if self._last is not None and self._last[0] is positions and self._last[1] == q.dtype:
+            cos, sin = self._last[2], self._last[3]
+        else:
+            cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+            sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+            self._last = (positions, q.dtype, cos, sin)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
@@ -76,6 +83,17 @@ def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+_ROPE_INSTANCES: dict[tuple, RotaryEmbedding] = {}
+
+
 def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
              scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, scaling)
+    """A shared instance per (shape, scaling, device): layers of a model reuse one cache."""
+    device = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
+    key = (head_dim, rotary_dim, max_position, base, repr(sorted((scaling or {}).items())),
+           str(device))
+    rope = _ROPE_INSTANCES.get(key)
+    if rope is None:
+        rope = _ROPE_INSTANCES[key] = RotaryEmbedding(head_dim, rotary_dim, max_position, base,
+                                                      scaling)
+    return rope

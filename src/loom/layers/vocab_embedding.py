@@ -38,8 +38,18 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(out)
 
 
+    def process_weights_after_loading(self) -> None:
+        # The embedding lookup wants rows; the logits GEMV wants the transposed layout, so the
+        # head keeps its own copy on CPU fp32 (see relayout_for_cpu_gemv).
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32:
+            self._head_weight = w.data.t().contiguous().t()
+        else:
+            self._head_weight = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        head = getattr(self, "_head_weight", None)
+        logits = F.linear(hidden, self.weight if head is None else head)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]

@@ -76,6 +76,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def process_weights_after_loading(model: nn.Module) -> nn.Module:
+    """Let each layer re-layout its loaded weights for the device (called by every loader)."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+    return model.eval()
+
+
 def build_model(model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
     """Instantiate the registered class for the architecture, uninitialised, on the device."""
     from loom import plugins

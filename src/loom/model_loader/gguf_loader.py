@@ -18,7 +18,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader, build_model
+from loom.model_loader.base import (
+    DeviceConfig,
+    ModelConfig,
+    ModelLoader,
+    build_model,
+    process_weights_after_loading,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -256,4 +262,4 @@ class GGUFLoader(ModelLoader):
     def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         model = build_model(model_config, device_config)
         model.load_weights(self.iterate_weights(model_config.path, model_config.hf_config))
-        return model.eval()
+        return process_weights_after_loading(model)

@@ -11,7 +11,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from loom import plugins
-from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader, build_model
+from loom.model_loader.base import (
+    DeviceConfig,
+    ModelConfig,
+    ModelLoader,
+    build_model,
+    process_weights_after_loading,
+)
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -41,7 +47,7 @@ class SafetensorsLoader(ModelLoader):
         weights = tqdm(self.iterate_weights(model_config.path), desc="Loading safetensors",
                        unit="tensor", leave=False)
         model.load_weights(weights)
-        return model.eval()
+        return process_weights_after_loading(model)
 
 
 class DummyLoader(ModelLoader):
@@ -65,7 +71,7 @@ class DummyLoader(ModelLoader):
                 param.data.fill_(1.0)
             else:  # small values keep activations finite through many layers
                 param.data.uniform_(-0.02, 0.02, generator=gen)
-        return model.eval()
+        return process_weights_after_loading(model)
 
 
 class AutoLoader(ModelLoader):
