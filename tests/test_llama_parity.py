@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.conftest import CHAT_PROMPTS, chat_ids
 
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
-from loom.scheduler.request import Req
 from loom.sampling.sampling_params import SamplingParams
-from tests.conftest import CHAT_PROMPTS, chat_ids
+from loom.scheduler.request import Req
 
 PROMPTS = [
     "The quick brown fox",
@@ -40,8 +40,9 @@ def _loom_logits(runner: ModelRunner, ids: list[int], split: int | None = None) 
             loc = table[req.req_pool_idx, split : split + 1]
             return runner.forward_decode([req], [ids[-1]], [split], loc)[0]
         n = len(ids) - split
-        return runner.forward_extend([req], ids[split:], list(range(split, len(ids))), [split],
-                                     [n])[0]
+        return runner.forward_extend(
+            [req], ids[split:], list(range(split, len(ids))), [split], [n]
+        )[0]
     finally:
         runner.allocator.free(pages)
         runner.req_to_token_pool.free(req.req_pool_idx)
@@ -72,12 +73,14 @@ def test_decode_and_cached_prefix_logits_match_hf(runner, hf_model, engine, prom
 
 def test_greedy_chat_matches_hf(engine, hf_model):
     params = {"max_new_tokens": 48, "temperature": 0}
-    outs = engine.generate(input_ids=[chat_ids(engine, p) for p in CHAT_PROMPTS],
-                           sampling_params=params)
+    outs = engine.generate(
+        input_ids=[chat_ids(engine, p) for p in CHAT_PROMPTS], sampling_params=params
+    )
     assert outs[0]["text"] == "The capital of France is Paris."
     for prompt, out in zip(CHAT_PROMPTS, outs, strict=True):
         ids = chat_ids(engine, prompt)
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
-                                    pad_token_id=2)[0, len(ids) :].tolist()
+            ref = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=2
+            )[0, len(ids) :].tolist()
         assert out["output_ids"] == ref, prompt

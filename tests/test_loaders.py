@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.test_llama_parity import _loom_logits
 
 import loom
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
-from tests.conftest import CHAT_PROMPTS, chat_ids
-from tests.test_llama_parity import _loom_logits
 
 
 def test_safetensors_dir_gives_same_greedy_tokens(engine, hf_ref_dir):
@@ -23,23 +23,42 @@ def test_safetensors_dir_gives_same_greedy_tokens(engine, hf_ref_dir):
     with loom.Engine(model=hf_ref_dir, load_format="safetensors", max_total_tokens=4096) as e:
         assert e.runner.model_config.architecture == "LlamaForCausalLM"
         got = [o["output_ids"] for o in e.generate(input_ids=ids, sampling_params=params)]
-        assert e.generate(input_ids=ids[0], sampling_params=params)["text"] == \
-            "The capital of France is Paris."
+        assert (
+            e.generate(input_ids=ids[0], sampling_params=params)["text"]
+            == "The capital of France is Paris."
+        )
     assert got == want
 
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 @pytest.mark.parametrize(
     "extra",
     [
         {"tie_word_embeddings": False},
-        {"tie_word_embeddings": True, "attention_bias": True,
-         "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+        {
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
     ],
     ids=["untied", "tied-bias-linear", "llama3"],
 )
@@ -61,12 +80,15 @@ def test_tiny_random_llama_matches_hf(tmp_path, extra):
 
 def test_dummy_loader_from_config_json(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**TINY, "model_type": "llama",
-                                "architectures": ["LlamaForCausalLM"]}))
-    with loom.Engine(model=str(path), load_format="dummy", skip_tokenizer_init=True,
-                     max_total_tokens=1024) as e:
-        out = e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4,
-                                                               "ignore_eos": True})
+    path.write_text(
+        json.dumps({**TINY, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    with loom.Engine(
+        model=str(path), load_format="dummy", skip_tokenizer_init=True, max_total_tokens=1024
+    ) as e:
+        out = e.generate(
+            input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+        )
         assert len(out["output_ids"]) == 4 and out["text"] == ""
         with pytest.raises(ValueError, match="tokenizer"):
             e.generate("text needs a tokenizer")
@@ -78,7 +100,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
     heads, head_dim, cols = 3, 8, 5
     w = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
     # llama.cpp's convert script: reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
-    permuted = (w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape))
+    permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     np.testing.assert_array_equal(unpermute_rotary(permuted, heads), w)
 
 
@@ -96,6 +118,5 @@ def test_gguf_config_and_chat_template(engine):
     cfg = engine.runner.model_config.hf_config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
-    text = engine.tokenizer.decode(engine.apply_chat_template([{"role": "user",
-                                                                "content": "hi"}]))
+    text = engine.tokenizer.decode(engine.apply_chat_template([{"role": "user", "content": "hi"}]))
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")

@@ -27,8 +27,9 @@ def test_duplicate_name_raises_unless_override(clean_registry):
     plugins.register("radix_eviction_policy", "mine", _Policy)
     with pytest.raises(plugins.RegistryError, match="already registered"):
         plugins.register("radix_eviction_policy", "mine", _Policy)
-    plugins.register("radix_eviction_policy", "mine", "loom.mem_cache.eviction:LRUPolicy",
-                     override=True)
+    plugins.register(
+        "radix_eviction_policy", "mine", "loom.mem_cache.eviction:LRUPolicy", override=True
+    )
     assert plugins.resolve("radix_eviction_policy", "mine").__name__ == "LRUPolicy"
 
 
@@ -91,8 +92,7 @@ def test_flag_choices_come_from_registry():
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--radix-eviction-policy", "example_lfu_then_lru",
-                            "--model-path", "x"])
+    ns = parser.parse_args(["--radix-eviction-policy", "example_lfu_then_lru", "--model-path", "x"])
     assert ns.radix_eviction_policy == "example_lfu_then_lru" and ns.model == "x"
     with pytest.raises(SystemExit):
         parser.parse_args(["--radix-eviction-policy", "nope"])
@@ -104,30 +104,44 @@ def test_engine_selects_example_plugins_by_name(engine):
         assert e.radix_eviction_policy.__name__ == "LFUThenLRUPolicy"
         # ... and the example logits processor is picked per request by name.
         forced = 1000
-        out = e.generate("Hello", {"max_new_tokens": 5, "temperature": 0.7,
-                                   "custom_logit_processor": "example_force_token",
-                                   "custom_params": {"token_id": forced}})
+        out = e.generate(
+            "Hello",
+            {
+                "max_new_tokens": 5,
+                "temperature": 0.7,
+                "custom_logit_processor": "example_force_token",
+                "custom_params": {"token_id": forced},
+            },
+        )
         assert out["output_ids"] == [forced] * 5
     with pytest.raises(plugins.RegistryError, match="example_lfu_then_lru"):
         loom.Engine(max_total_tokens=2048, radix_eviction_policy="no_such_policy")
 
 
 def test_builtin_disallowed_tokens(engine):
-    ids = engine.apply_chat_template([{"role": "user", "content": "What is the capital of "
-                                                                  "France?"}])
-    base = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4,
-                                                           "temperature": 0})
+    ids = engine.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    base = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0})
     first = base["output_ids"][0]
-    out = engine.generate(input_ids=ids, sampling_params={
-        "max_new_tokens": 4, "temperature": 0,
-        "custom_logit_processor": {"name": "disallowed_tokens",
-                                   "params": {"token_ids": [first]}}})
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={
+            "max_new_tokens": 4,
+            "temperature": 0,
+            "custom_logit_processor": {
+                "name": "disallowed_tokens",
+                "params": {"token_ids": [first]},
+            },
+        },
+    )
     assert out["output_ids"][0] != first
 
 
 def _loom(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loom.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "loom.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_plugins_lists_example():

@@ -9,8 +9,9 @@ from loom.sampling.sampling_params import SamplingParams
 
 
 def _info(params, vocab=8, output_lens=None):
-    return SamplingBatchInfo.build(params, output_lens or [0] * len(params), vocab,
-                                   torch.device("cpu"))
+    return SamplingBatchInfo.build(
+        params, output_lens or [0] * len(params), vocab, torch.device("cpu")
+    )
 
 
 def _reference_filtered(logits, temperature, top_k, top_p, min_p):
@@ -33,8 +34,7 @@ def _reference_filtered(logits, temperature, top_k, top_p, min_p):
 
 def test_greedy_rows_take_argmax():
     logits = torch.randn(3, 8)
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=1),
-              SamplingParams(temperature=0)]
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(temperature=0)]
     assert sample(logits, _info(params)).tolist() == logits.argmax(-1).tolist()
 
 
@@ -74,8 +74,9 @@ def test_seeded_rows_are_reproducible_across_batches():
     alone = [sample(logits, _info([seeded], 64, [i])).item() for i in range(20)]
     other = SamplingParams(temperature=1.0)
     batch = torch.cat([torch.randn(1, 64), logits, torch.randn(1, 64)])
-    in_batch = [sample(batch, _info([other, seeded, other], 64, [0, i, 0]))[1].item()
-                for i in range(20)]
+    in_batch = [
+        sample(batch, _info([other, seeded, other], 64, [0, i, 0]))[1].item() for i in range(20)
+    ]
     assert alone == in_batch
     assert len(set(alone)) > 1  # positions draw different noise
 
@@ -83,7 +84,8 @@ def test_seeded_rows_are_reproducible_across_batches():
 def test_engine_seed_gives_same_text_alone_and_batched(engine):
     params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7}
     alone = engine.generate("Once upon a time", params)["output_ids"]
-    batched = engine.generate(["Tell me a joke", "Once upon a time", "Hi"],
-                              [{"max_new_tokens": 12, "temperature": 1.0}, params,
-                               {"max_new_tokens": 5}])
+    batched = engine.generate(
+        ["Tell me a joke", "Once upon a time", "Hi"],
+        [{"max_new_tokens": 12, "temperature": 1.0}, params, {"max_new_tokens": 5}],
+    )
     assert batched[1]["output_ids"] == alone

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tests.conftest import CHAT_PROMPTS, chat_ids
 
 import loom
-from tests.conftest import CHAT_PROMPTS, chat_ids
 
 PARAMS = {"max_new_tokens": 48, "temperature": 0}
 
@@ -21,8 +21,9 @@ def prompts_ids(engine):
 @pytest.fixture(scope="module")
 def reference(engine, prompts_ids):
     """Greedy outputs generated one request at a time."""
-    return [engine.generate(input_ids=ids, sampling_params=PARAMS)["output_ids"]
-            for ids in prompts_ids]
+    return [
+        engine.generate(input_ids=ids, sampling_params=PARAMS)["output_ids"] for ids in prompts_ids
+    ]
 
 
 def _assert_balanced(e) -> None:
@@ -58,8 +59,9 @@ def test_batch_invariance(flags, prompts_ids, reference):
 def test_retraction_keeps_greedy_output(page_size, prompts_ids, reference):
     # A pool that holds about three requests, admitted greedily: decode must retract.
     total = max(len(i) for i in prompts_ids) * 3 + 64
-    with loom.Engine(max_total_tokens=total, page_size=page_size,
-                     schedule_conservativeness=0.0) as e:
+    with loom.Engine(
+        max_total_tokens=total, page_size=page_size, schedule_conservativeness=0.0
+    ) as e:
         outs = e.generate(input_ids=prompts_ids, sampling_params=PARAMS)
         assert e.scheduler.stats.num_retractions > 0
         assert [o["output_ids"] for o in outs] == reference
@@ -67,9 +69,11 @@ def test_retraction_keeps_greedy_output(page_size, prompts_ids, reference):
 
 
 def test_abort_mid_stream_frees_pages(engine, prompts_ids):
-    stream = engine.generate(input_ids=prompts_ids[0],
-                             sampling_params={"max_new_tokens": 200, "temperature": 0,
-                                              "ignore_eos": True}, stream=True)
+    stream = engine.generate(
+        input_ids=prompts_ids[0],
+        sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+        stream=True,
+    )
     got = [next(stream) for _ in range(3)]
     assert all(g["meta_info"]["finish_reason"] is None for g in got)
     stream.close()  # the caller goes away: the request is aborted
@@ -80,8 +84,7 @@ def test_abort_mid_stream_frees_pages(engine, prompts_ids):
 
 def test_stream_concatenates_to_text(engine, prompts_ids):
     full = engine.generate(input_ids=prompts_ids[3], sampling_params=PARAMS)
-    parts = list(engine.generate(input_ids=prompts_ids[3], sampling_params=PARAMS,
-                                 stream=True))
+    parts = list(engine.generate(input_ids=prompts_ids[3], sampling_params=PARAMS, stream=True))
     assert "".join(p["text"] for p in parts) == full["text"]
     assert [t for p in parts for t in p["output_ids"]] == full["output_ids"]
     assert parts[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
@@ -90,12 +93,13 @@ def test_stream_concatenates_to_text(engine, prompts_ids):
 def test_async_generate(engine, prompts_ids, reference):
     async def main():
         single = await engine.async_generate(input_ids=prompts_ids[0], sampling_params=PARAMS)
-        stream = await engine.async_generate(input_ids=prompts_ids[1], sampling_params=PARAMS,
-                                             stream=True)
+        stream = await engine.async_generate(
+            input_ids=prompts_ids[1], sampling_params=PARAMS, stream=True
+        )
         ids = [t async for inc in stream for t in inc["output_ids"]]
-        both = await asyncio.gather(*[
-            engine.async_generate(input_ids=p, sampling_params=PARAMS) for p in prompts_ids[2:4]
-        ])
+        both = await asyncio.gather(
+            *[engine.async_generate(input_ids=p, sampling_params=PARAMS) for p in prompts_ids[2:4]]
+        )
         return single, ids, both
 
     single, ids, both = asyncio.run(main())
@@ -105,9 +109,10 @@ def test_async_generate(engine, prompts_ids, reference):
 
 
 def test_meta_info_shape(engine, prompts_ids):
-    out = engine.generate(input_ids=prompts_ids[0], sampling_params={"max_new_tokens": 3,
-                                                                     "temperature": 0,
-                                                                     "ignore_eos": True})
+    out = engine.generate(
+        input_ids=prompts_ids[0],
+        sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+    )
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(prompts_ids[0])
     assert meta["completion_tokens"] == 3
@@ -117,12 +122,14 @@ def test_meta_info_shape(engine, prompts_ids):
 
 def test_stop_token_ids_and_stop_strings(engine, prompts_ids, reference):
     ref = reference[0]  # "The capital of France is Paris."
-    out = engine.generate(input_ids=prompts_ids[0],
-                          sampling_params={"temperature": 0, "stop_token_ids": [ref[2]]})
+    out = engine.generate(
+        input_ids=prompts_ids[0], sampling_params={"temperature": 0, "stop_token_ids": [ref[2]]}
+    )
     assert out["output_ids"] == ref[:3]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[2]}
-    out = engine.generate(input_ids=prompts_ids[0],
-                          sampling_params={"temperature": 0, "stop": [" is"]})
+    out = engine.generate(
+        input_ids=prompts_ids[0], sampling_params={"temperature": 0, "stop": [" is"]}
+    )
     assert out["text"] == "The capital of France"
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " is"}
     _ = engine.generate(input_ids=prompts_ids[1], sampling_params={"max_new_tokens": 1})

@@ -15,8 +15,9 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
     families = [ns.family] if ns.family else list(plugins.FAMILIES)
     for name in families:
         if name not in plugins.FAMILIES:
-            print(f"unknown family {name!r}; families: {', '.join(plugins.FAMILIES)}",
-                  file=sys.stderr)
+            print(
+                f"unknown family {name!r}; families: {', '.join(plugins.FAMILIES)}", file=sys.stderr
+            )
             return 2
     for name in families:
         fam = plugins.FAMILIES[name]
@@ -40,8 +41,12 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from loom.engine.engine import Engine
 
-    params: dict[str, Any] = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
-                              "top_p": ns.top_p, "top_k": ns.top_k}
+    params: dict[str, Any] = {
+        "max_new_tokens": ns.max_new_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+    }
     if ns.seed is not None:
         params["sampling_seed"] = ns.seed
     with Engine(**_server_kwargs(ns)) as engine:

@@ -14,65 +14,122 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _arg(help: str, *, family: str | None = None, choices: tuple[str, ...] | None = None,
-         aliases: tuple[str, ...] = (), extra_choices: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {"help": help, "family": family, "choices": choices, "aliases": aliases,
-            "extra_choices": extra_choices}
+def _arg(
+    help: str,
+    *,
+    family: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    aliases: tuple[str, ...] = (),
+    extra_choices: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    return {
+        "help": help,
+        "family": family,
+        "choices": choices,
+        "aliases": aliases,
+        "extra_choices": extra_choices,
+    }
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     # Model and weights
-    model: str = field(default=DEFAULT_MODEL, metadata=_arg(
-        "Model: a name from an installed model package (default smollm2-135m-instruct), an HF "
-        "directory, a .gguf file, or a config.json for --load-format dummy.",
-        aliases=("--model-path",)))
-    tokenizer_path: str | None = field(default=None, metadata=_arg(
-        "Tokenizer directory, if it differs from the model's."))
-    load_format: str = field(default="auto", metadata=_arg(
-        "How to load weights.", family="model_loader"))
-    skip_tokenizer_init: bool = field(default=False, metadata=_arg(
-        "Load no tokenizer: requests must pass input_ids and get output_ids only."))
-    dtype: str = field(default="auto", metadata=_arg(
-        "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
-        choices=("auto", "float32", "bfloat16", "float16")))
-    device: str = field(default="auto", metadata=_arg(
-        "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda")))
-    context_length: int | None = field(default=None, metadata=_arg(
-        "Override the model's maximum context length."))
-    random_seed: int = field(default=0, metadata=_arg(
-        "Seed for weights of --load-format dummy and for unseeded sampling."))
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_arg(
+            "Model: a name from an installed model package (default smollm2-135m-instruct), an HF "
+            "directory, a .gguf file, or a config.json for --load-format dummy.",
+            aliases=("--model-path",),
+        ),
+    )
+    tokenizer_path: str | None = field(
+        default=None, metadata=_arg("Tokenizer directory, if it differs from the model's.")
+    )
+    load_format: str = field(
+        default="auto", metadata=_arg("How to load weights.", family="model_loader")
+    )
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=_arg("Load no tokenizer: requests must pass input_ids and get output_ids only."),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_arg(
+            "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=_arg(
+            "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda")
+        ),
+    )
+    context_length: int | None = field(
+        default=None, metadata=_arg("Override the model's maximum context length.")
+    )
+    random_seed: int = field(
+        default=0,
+        metadata=_arg("Seed for weights of --load-format dummy and for unseeded sampling."),
+    )
 
     # Memory and KV cache
     page_size: int = field(default=1, metadata=_arg("Tokens per KV page."))
-    max_total_tokens: int | None = field(default=None, metadata=_arg(
-        "KV pool size in tokens (default: from free memory)."))
-    mem_fraction_static: float | None = field(default=None, metadata=_arg(
-        "Fraction of memory for weights + KV pool (default 0.85 on CUDA, 0.25 of free RAM on CPU)."))
+    max_total_tokens: int | None = field(
+        default=None, metadata=_arg("KV pool size in tokens (default: from free memory).")
+    )
+    mem_fraction_static: float | None = field(
+        default=None,
+        metadata=_arg(
+            "Fraction of memory for weights + KV pool (default 0.85 on CUDA, 0.25 of free RAM on CPU)."
+        ),
+    )
 
     # Scheduling
-    max_running_requests: int | None = field(default=None, metadata=_arg(
-        "Maximum requests decoded together (default: from the KV pool size, at most 512)."))
-    chunked_prefill_size: int | None = field(default=None, metadata=_arg(
-        "Maximum prompt tokens prefilled for one request per step (default 8192 on CUDA, 1024 on "
-        "CPU); -1 disables chunking."))
-    max_prefill_tokens: int = field(default=16384, metadata=_arg(
-        "Maximum prompt tokens in one prefill batch."))
-    schedule_policy: str = field(default="fcfs", metadata=_arg(
-        "Order of the waiting queue.", family="schedule_policy"))
-    schedule_conservativeness: float = field(default=1.0, metadata=_arg(
-        "How much decode room to reserve when admitting (0 admits greedily, retracting later)."))
-    radix_eviction_policy: str = field(default="lru", metadata=_arg(
-        "Radix-cache eviction policy.", family="radix_eviction_policy"))
+    max_running_requests: int | None = field(
+        default=None,
+        metadata=_arg(
+            "Maximum requests decoded together (default: from the KV pool size, at most 512)."
+        ),
+    )
+    chunked_prefill_size: int | None = field(
+        default=None,
+        metadata=_arg(
+            "Maximum prompt tokens prefilled for one request per step (default 8192 on CUDA, 1024 on "
+            "CPU); -1 disables chunking."
+        ),
+    )
+    max_prefill_tokens: int = field(
+        default=16384, metadata=_arg("Maximum prompt tokens in one prefill batch.")
+    )
+    schedule_policy: str = field(
+        default="fcfs", metadata=_arg("Order of the waiting queue.", family="schedule_policy")
+    )
+    schedule_conservativeness: float = field(
+        default=1.0,
+        metadata=_arg(
+            "How much decode room to reserve when admitting (0 admits greedily, retracting later)."
+        ),
+    )
+    radix_eviction_policy: str = field(
+        default="lru", metadata=_arg("Radix-cache eviction policy.", family="radix_eviction_policy")
+    )
 
     # Kernels
-    attention_backend: str = field(default="auto", metadata=_arg(
-        "Attention kernels (auto: picked by device).", family="attention_backend",
-        extra_choices=("auto",)))
+    attention_backend: str = field(
+        default="auto",
+        metadata=_arg(
+            "Attention kernels (auto: picked by device).",
+            family="attention_backend",
+            extra_choices=("auto",),
+        ),
+    )
 
     # Logging
-    log_level: str = field(default="warning", metadata=_arg(
-        "Logging level.", choices=("debug", "info", "warning", "error")))
+    log_level: str = field(
+        default="warning",
+        metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")),
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -82,14 +139,17 @@ class ServerArgs:
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
         if self.schedule_conservativeness < 0:
             raise ValueError("schedule_conservativeness must be >= 0")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, "
-                                 f"got {getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
+                )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -99,8 +159,10 @@ class ServerArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}; "
-                            f"valid: {', '.join(sorted(known))}")
+            raise TypeError(
+                f"unknown server argument(s): {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(known))}"
+            )
         return cls(**kwargs)
 
     # ---- CLI generation -------------------------------------------------------------------

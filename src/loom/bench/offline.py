@@ -17,17 +17,25 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--input-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=1.0,
-                   help="lengths are drawn from [ratio * len, len] (1.0: fixed lengths)")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths are drawn from [ratio * len, len] (1.0: fixed lengths)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    g.add_argument("--compare-hf", action="store_true",
-                   help="also run HF transformers generate() on the same requests")
+    g.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also run HF transformers generate() on the same requests",
+    )
     g.add_argument("--hf-batch-size", type=int, default=16)
     g.add_argument("--result-file", default=None, help="append a JSON line with the results")
 
 
-def make_requests(num: int, input_len: int, output_len: int, ratio: float, vocab: int,
-                  seed: int) -> list[tuple[list[int], int]]:
+def make_requests(
+    num: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     reqs = []
     for _ in range(num):
@@ -39,20 +47,27 @@ def make_requests(num: int, input_len: int, output_len: int, ratio: float, vocab
 
 
 def run_loom(engine, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
-    engine.generate(input_ids=reqs[0][0][:8], sampling_params={"max_new_tokens": 4,
-                                                               "temperature": 0})  # warm-up
+    engine.generate(
+        input_ids=reqs[0][0][:8], sampling_params={"max_new_tokens": 4, "temperature": 0}
+    )  # warm-up
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _, n in reqs]
     start = time.perf_counter()
     outs = engine.generate(input_ids=[ids for ids, _ in reqs], sampling_params=params)
     elapsed = time.perf_counter() - start
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    tpots = [(o["meta_info"]["e2e_latency"] - o["meta_info"]["ttft"]) /
-             (o["meta_info"]["completion_tokens"] - 1)
-             for o in outs if o["meta_info"]["completion_tokens"] > 1]
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / elapsed,
-            "mean_tpot_ms": 1000 * sum(tpots) / max(1, len(tpots)),
-            "output_ids": [o["output_ids"] for o in outs]}
+    tpots = [
+        (o["meta_info"]["e2e_latency"] - o["meta_info"]["ttft"])
+        / (o["meta_info"]["completion_tokens"] - 1)
+        for o in outs
+        if o["meta_info"]["completion_tokens"] > 1
+    ]
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "mean_tpot_ms": 1000 * sum(tpots) / max(1, len(tpots)),
+        "output_ids": [o["output_ids"] for o in outs],
+    }
 
 
 def build_hf_model(engine):
@@ -72,8 +87,12 @@ def build_hf_model(engine):
         except TypeError:
             weights = dict(iterate(cfg.path))
         missing, _ = model.load_state_dict(weights, strict=False)
-        missing = [m for m in missing if "rotary" not in m and not (
-            m == "lm_head.weight" and getattr(cfg.hf_config, "tie_word_embeddings", False))]
+        missing = [
+            m
+            for m in missing
+            if "rotary" not in m
+            and not (m == "lm_head.weight" and getattr(cfg.hf_config, "tie_word_embeddings", False))
+        ]
         if missing:
             raise ValueError(f"HF model is missing weights: {missing[:5]}")
         if getattr(cfg.hf_config, "tie_word_embeddings", False):
@@ -82,48 +101,71 @@ def build_hf_model(engine):
 
 
 @torch.inference_mode()
-def run_hf(model, reqs: list[tuple[list[int], int]], batch_size: int, pad_id: int,
-           device: torch.device) -> dict[str, Any]:
+def run_hf(
+    model, reqs: list[tuple[list[int], int]], batch_size: int, pad_id: int, device: torch.device
+) -> dict[str, Any]:
     def batch_generate(chunk):
         width = max(len(ids) for ids, _ in chunk)
         input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for i, (ids, _) in enumerate(chunk):  # left padding
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            mask[i, width - len(ids):] = 1
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            mask[i, width - len(ids) :] = 1
         n_out = max(n for _, n in chunk)
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                             pad_token_id=pad_id)
-        return [out[i, width:width + n].tolist() for i, (_, n) in enumerate(chunk)]
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=n_out,
+            min_new_tokens=n_out,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        return [out[i, width : width + n].tolist() for i, (_, n) in enumerate(chunk)]
 
     batch_generate(reqs[:1])  # warm-up
     start = time.perf_counter()
     outputs = []
     for i in range(0, len(reqs), batch_size):
-        outputs += batch_generate(reqs[i:i + batch_size])
+        outputs += batch_generate(reqs[i : i + batch_size])
     elapsed = time.perf_counter() - start
     out_tokens = sum(n for _, n in reqs)
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / elapsed, "output_ids": outputs}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "output_ids": outputs,
+    }
 
 
 def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.engine.engine import Engine
 
     with Engine(**server_kwargs) as engine:
-        reqs = make_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.random_range_ratio,
-                             engine.runner.vocab_size, ns.seed)
+        reqs = make_requests(
+            ns.num_prompts,
+            ns.input_len,
+            ns.output_len,
+            ns.random_range_ratio,
+            engine.runner.vocab_size,
+            ns.seed,
+        )
         info = engine.get_server_info()
         loom = run_loom(engine, reqs)
-        print(f"Loom  ({info['device']}, {info['dtype']}, {info['attention_backend']}, "
-              f"{ns.num_prompts} requests, in {ns.input_len} / out {ns.output_len}): "
-              f"{loom['output_tokens_per_s']:.1f} output tokens/s, "
-              f"mean TPOT {loom['mean_tpot_ms']:.1f} ms, {loom['elapsed_s']:.2f} s")
-        result = {"num_prompts": ns.num_prompts, "input_len": ns.input_len,
-                  "output_len": ns.output_len, "device": info["device"], "dtype": info["dtype"],
-                  "max_running_requests": info["max_running_requests"],
-                  "loom": {k: v for k, v in loom.items() if k != "output_ids"}}
+        print(
+            f"Loom  ({info['device']}, {info['dtype']}, {info['attention_backend']}, "
+            f"{ns.num_prompts} requests, in {ns.input_len} / out {ns.output_len}): "
+            f"{loom['output_tokens_per_s']:.1f} output tokens/s, "
+            f"mean TPOT {loom['mean_tpot_ms']:.1f} ms, {loom['elapsed_s']:.2f} s"
+        )
+        result = {
+            "num_prompts": ns.num_prompts,
+            "input_len": ns.input_len,
+            "output_len": ns.output_len,
+            "device": info["device"],
+            "dtype": info["dtype"],
+            "max_running_requests": info["max_running_requests"],
+            "loom": {k: v for k, v in loom.items() if k != "output_ids"},
+        }
         if ns.compare_hf:
             model = build_hf_model(engine)
             engine.shutdown()
@@ -131,8 +173,10 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             hf = run_hf(model, reqs, ns.hf_batch_size, pad, engine.runner.device)
             ratio = loom["output_tokens_per_s"] / hf["output_tokens_per_s"]
             same = sum(a == b for a, b in zip(loom["output_ids"], hf["output_ids"], strict=True))
-            print(f"HF    (transformers generate(), batch {ns.hf_batch_size}): "
-                  f"{hf['output_tokens_per_s']:.1f} output tokens/s, {hf['elapsed_s']:.2f} s")
+            print(
+                f"HF    (transformers generate(), batch {ns.hf_batch_size}): "
+                f"{hf['output_tokens_per_s']:.1f} output tokens/s, {hf['elapsed_s']:.2f} s"
+            )
             print(f"Loom / HF: {ratio:.2f}x; identical greedy outputs: {same}/{len(reqs)}")
             result["hf"] = {k: v for k, v in hf.items() if k != "output_ids"}
             result["hf"]["batch_size"] = ns.hf_batch_size

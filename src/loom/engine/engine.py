@@ -60,16 +60,18 @@ class Engine:
         logging.getLogger("loom").setLevel(args.log_level.upper())
         plugins.ensure_loaded()
         # Resolve every plug-in named by the arguments now, so a bad name fails at start-up.
-        self.radix_eviction_policy = plugins.resolve("radix_eviction_policy",
-                                                     args.radix_eviction_policy)
+        self.radix_eviction_policy = plugins.resolve(
+            "radix_eviction_policy", args.radix_eviction_policy
+        )
         self.runner = ModelRunner(args)
         self.tokenizer_manager: TokenizerManager | None = None
         if not args.skip_tokenizer_init:
             path = args.tokenizer_path or self.runner.model_path
             tokenizer = self.runner.loader.load_tokenizer(path)
             if tokenizer is None:
-                raise ValueError(f"no tokenizer found at {path}; pass --tokenizer-path or "
-                                 "--skip-tokenizer-init")
+                raise ValueError(
+                    f"no tokenizer found at {path}; pass --tokenizer-path or --skip-tokenizer-init"
+                )
             self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(args, self.runner, self.eos_token_ids)
@@ -143,10 +145,17 @@ class Engine:
             with self._states_lock:
                 states = list(self._states.values())
             for st in states:
-                self._put(st, ReqOutput(st.rid, [], st.prompt_tokens, len(st.output_ids),
-                                        finished_reason={"type": "abort",
-                                                         "message": f"engine error: {e}"},
-                                        error=str(e)))
+                self._put(
+                    st,
+                    ReqOutput(
+                        st.rid,
+                        [],
+                        st.prompt_tokens,
+                        len(st.output_ids),
+                        finished_reason={"type": "abort", "message": f"engine error: {e}"},
+                        error=str(e),
+                    ),
+                )
 
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
@@ -170,9 +179,12 @@ class Engine:
         if self._stopped.is_set():
             raise RuntimeError("the engine has been shut down")
 
-    def _prepare(self, prompt: str | None, input_ids: list[int] | None,
-                 sampling_params: dict[str, Any] | SamplingParams | None) -> tuple[list[int],
-                                                                                  SamplingParams]:
+    def _prepare(
+        self,
+        prompt: str | None,
+        input_ids: list[int] | None,
+        sampling_params: dict[str, Any] | SamplingParams | None,
+    ) -> tuple[list[int], SamplingParams]:
         if isinstance(sampling_params, SamplingParams):
             params = sampling_params
             params.validate()
@@ -185,8 +197,10 @@ class Engine:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer_manager is None:
-                raise ValueError("text prompts need a tokenizer (started with "
-                                 "--skip-tokenizer-init): pass input_ids")
+                raise ValueError(
+                    "text prompts need a tokenizer (started with "
+                    "--skip-tokenizer-init): pass input_ids"
+                )
             input_ids = self.tokenizer_manager.encode(prompt)
         if not input_ids:
             raise ValueError("prompt is empty: at least one input token is required")
@@ -194,9 +208,11 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         if len(input_ids) >= self.context_len:
-            raise ValueError(f"prompt is too long: {len(input_ids)} tokens, the context length "
-                             f"is {self.context_len} (the prompt must leave room for at least "
-                             "one new token)")
+            raise ValueError(
+                f"prompt is too long: {len(input_ids)} tokens, the context length "
+                f"is {self.context_len} (the prompt must leave room for at least "
+                "one new token)"
+            )
         if params.custom_logit_processor is not None:
             from loom.sampling.sampler import get_processor
 
@@ -209,15 +225,26 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         return list(input_ids), params
 
-    def _submit(self, input_ids: list[int], params: SamplingParams, rid: str | None,
-                loop: asyncio.AbstractEventLoop | None = None) -> _ReqState:
+    def _submit(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> _ReqState:
         self._check_alive()
         rid = rid or uuid.uuid4().hex
         detok = None
         if self.tokenizer_manager is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        st = _ReqState(rid, len(input_ids), params,
-                       asyncio.Queue() if loop is not None else queue.Queue(), loop, detok)
+        st = _ReqState(
+            rid,
+            len(input_ids),
+            params,
+            asyncio.Queue() if loop is not None else queue.Queue(),
+            loop,
+            detok,
+        )
         with self._states_lock:
             if rid in self._states:
                 raise ValueError(f"duplicate request id {rid!r}")
@@ -329,8 +356,9 @@ class Engine:
         else:
             return None
         n = len(items)
-        params_list = sampling_params if isinstance(sampling_params, list) else [
-            sampling_params] * n
+        params_list = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        )
         rids = rid if isinstance(rid, list) else [None] * n
         if len(params_list) != n or len(rids) != n:
             raise ValueError("sampling_params and rid lists must match the number of prompts")
@@ -372,11 +400,13 @@ class Engine:
             raise ValueError("chat needs a tokenizer (started with --skip-tokenizer-init)")
         return self.tokenizer_manager.apply_chat_template(messages)
 
-    def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
+    def chat(
+        self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Generate a reply to chat ``messages`` through the model's chat template."""
-        return self.generate(input_ids=self.apply_chat_template(messages),
-                             sampling_params=sampling_params)
+        return self.generate(
+            input_ids=self.apply_chat_template(messages), sampling_params=sampling_params
+        )
 
     def shutdown(self) -> None:
         self._stopped.set()

@@ -53,14 +53,16 @@ class TokenizerManager:
             ids.add(eos)
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not messages:
             raise ValueError("messages must not be empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:

@@ -32,8 +32,9 @@ def relayout_for_cpu_gemv(weight: torch.Tensor) -> None:
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
-                         f"{tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -73,8 +74,9 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split along its output dimension; each rank holds output_size / tp rows."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 gather_output: bool = False) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
+    ) -> None:
         super().__init__(input_size, output_size, bias)
         self.gather_output = gather_output
         self.output_size_per_partition = divide(output_size, self.tp_size)
@@ -108,8 +110,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections; shard_id is "q", "k" or "v". KV heads are replicated when there
     are fewer of them than TP ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size)
@@ -138,8 +141,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X A with A split along its input dimension; partial results are summed across ranks."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 reduce_results: bool = True) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
+    ) -> None:
         super().__init__(input_size, output_size, bias)
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size)

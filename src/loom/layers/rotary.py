@@ -24,21 +24,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
-                                   / rotary_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+        )
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} "
-                             "(supported: default, linear, llama3)")
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)"
+            )
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # fp32 caches, indexed by position; cast to the activation dtype per call like HF does.
@@ -86,14 +94,26 @@ def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
 _ROPE_INSTANCES: dict[tuple, RotaryEmbedding] = {}
 
 
-def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
-             scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    scaling: dict[str, Any] | None = None,
+) -> RotaryEmbedding:
     """A shared instance per (shape, scaling, device): layers of a model reuse one cache."""
     device = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
-    key = (head_dim, rotary_dim, max_position, base, repr(sorted((scaling or {}).items())),
-           str(device))
+    key = (
+        head_dim,
+        rotary_dim,
+        max_position,
+        base,
+        repr(sorted((scaling or {}).items())),
+        str(device),
+    )
     rope = _ROPE_INSTANCES.get(key)
     if rope is None:
-        rope = _ROPE_INSTANCES[key] = RotaryEmbedding(head_dim, rotary_dim, max_position, base,
-                                                      scaling)
+        rope = _ROPE_INSTANCES[key] = RotaryEmbedding(
+            head_dim, rotary_dim, max_position, base, scaling
+        )
     return rope

@@ -24,8 +24,9 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         shard = loaded[self.start : self.end]
         if shard.shape[1:] != param.shape[1:]:
-            raise ValueError(f"embedding shape mismatch: {tuple(loaded.shape)} vs "
-                             f"{tuple(param.shape)}")
+            raise ValueError(
+                f"embedding shape mismatch: {tuple(loaded.shape)} vs {tuple(param.shape)}"
+            )
         param.data[: shard.shape[0]].copy_(shard)
         param.data[shard.shape[0] :].zero_()
 
@@ -36,7 +37,6 @@ class VocabParallelEmbedding(nn.Module):
         local = (input_ids - self.start).masked_fill(mask, 0)
         out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
         return tp_all_reduce(out)
-
 
     def process_weights_after_loading(self) -> None:
         # The embedding lookup wants rows; the logits GEMV wants the transposed layout, so the

@@ -66,8 +66,16 @@ class PageAllocator:
 class KVPool:
     """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``."""
 
-    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_slots = (num_pages + 1) * page_size
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -82,8 +90,9 @@ class KVPool:
             buf[:page_size].zero_()
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

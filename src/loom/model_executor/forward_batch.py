@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # new tokens (a prompt or a chunk of it) attend to a cached prefix + themselves
+    EXTEND = (
+        "extend"  # new tokens (a prompt or a chunk of it) attend to a cached prefix + themselves
+    )
     DECODE = "decode"  # one new token per request
 
 

@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --attention-backend auto: the first registered, supported backend in this order wins.
-_AUTO_BACKENDS = {"cuda": ["flashinfer", "triton", "flash_attention", "torch_native"],
-                  "cpu": ["torch_native"]}
+_AUTO_BACKENDS = {
+    "cuda": ["flashinfer", "triton", "flash_attention", "torch_native"],
+    "cpu": ["torch_native"],
+}
 _MAX_AUTO_RUNNING = 512
 _CPU_MAX_AUTO_TOKENS = 1 << 18
 
@@ -73,9 +75,13 @@ class ModelRunner:
             raise ValueError(f"the model config at {self.model_path} names no `architectures`")
         model_context = getattr(hf_config, "max_position_embeddings", 2048)
         self.model_config = ModelConfig(
-            path=self.model_path, hf_config=hf_config, dtype=self.dtype,
-            context_len=args.context_length or model_context, architecture=archs[0],
-            seed=args.random_seed)
+            path=self.model_path,
+            hf_config=hf_config,
+            dtype=self.dtype,
+            context_len=args.context_length or model_context,
+            architecture=archs[0],
+            seed=args.random_seed,
+        )
         self.vocab_size = hf_config.vocab_size
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
         self._init_memory()
@@ -100,23 +106,34 @@ class ModelRunner:
             max_tokens = int(budget // per_token)
         else:
             frac = args.mem_fraction_static or 0.25
-            max_tokens = min(int(_available_host_memory() * frac // per_token),
-                             _CPU_MAX_AUTO_TOKENS)
+            max_tokens = min(
+                int(_available_host_memory() * frac // per_token), _CPU_MAX_AUTO_TOKENS
+            )
         num_pages = max_tokens // args.page_size
         if num_pages < 1:
-            raise ValueError(f"no room for a KV cache: {max_tokens} tokens; raise "
-                             "--max-total-tokens or --mem-fraction-static")
+            raise ValueError(
+                f"no room for a KV cache: {max_tokens} tokens; raise "
+                "--max-total-tokens or --mem-fraction-static"
+            )
         self.max_total_tokens = num_pages * args.page_size
         self.max_running_requests = args.max_running_requests or max(
-            1, min(_MAX_AUTO_RUNNING, self.max_total_tokens // 2))
-        self.kv_pool = KVPool(num_pages, args.page_size, num_layers, attn_heads, head_dim,
-                              self.dtype, self.device)
+            1, min(_MAX_AUTO_RUNNING, self.max_total_tokens // 2)
+        )
+        self.kv_pool = KVPool(
+            num_pages, args.page_size, num_layers, attn_heads, head_dim, self.dtype, self.device
+        )
         self.allocator = PageAllocator(num_pages, args.page_size)
         # +1 spare row so a request can be set up while max_running are active (retraction).
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1,
-                                                self.model_config.context_len, self.device)
-        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens,
-                    num_pages, args.page_size, per_token * self.max_total_tokens / 2**20)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, self.model_config.context_len, self.device
+        )
+        logger.info(
+            "KV pool: %d tokens (%d pages of %d), %.1f MB",
+            self.max_total_tokens,
+            num_pages,
+            args.page_size,
+            per_token * self.max_total_tokens / 2**20,
+        )
 
     def _init_attention_backend(self) -> None:
         name = self.args.attention_backend
@@ -133,10 +150,17 @@ class ModelRunner:
         if not cls.is_supported(self.device):
             raise ValueError(f"attention backend {name!r} does not support {self.device}")
         heads = self.model_config.hf_config.num_attention_heads // get_tp_size()
-        self.attn_backend = cls(AttentionContext(
-            num_heads=heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            dtype=self.dtype, device=self.device, kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token_pool))
+        self.attn_backend = cls(
+            AttentionContext(
+                num_heads=heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+                kv_pool=self.kv_pool,
+                req_to_token_pool=self.req_to_token_pool,
+            )
+        )
 
     # ---- forward --------------------------------------------------------------------------
 
@@ -151,29 +175,51 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch)
 
     @torch.inference_mode()
-    def forward_extend(self, reqs: list[Req], input_ids: list[int], positions: list[int],
-                       prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+    def forward_extend(
+        self,
+        reqs: list[Req],
+        input_ids: list[int],
+        positions: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+    ) -> torch.Tensor:
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         table = self.req_to_token_pool.req_to_token
         pool_idx = [r.req_pool_idx for r in reqs]
-        out_loc = torch.cat([table[i, p:s] for i, p, s in zip(pool_idx, prefix_lens, seq_lens,
-                                                             strict=True)])
+        out_loc = torch.cat(
+            [table[i, p:s] for i, p, s in zip(pool_idx, prefix_lens, seq_lens, strict=True)]
+        )
         batch = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=len(reqs),
-            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
-            out_cache_loc=out_loc, req_pool_indices=self._tensor(pool_idx),
-            seq_lens=self._tensor(seq_lens), seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens))
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(reqs),
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            out_cache_loc=out_loc,
+            req_pool_indices=self._tensor(pool_idx),
+            seq_lens=self._tensor(seq_lens),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(prefix_lens),
+            extend_seq_lens_cpu=list(extend_lens),
+        )
         return self._run(batch)
 
     @torch.inference_mode()
-    def forward_decode(self, reqs: list[Req], input_ids: list[int], positions: list[int],
-                       out_cache_loc: torch.Tensor) -> torch.Tensor:
+    def forward_decode(
+        self,
+        reqs: list[Req],
+        input_ids: list[int],
+        positions: list[int],
+        out_cache_loc: torch.Tensor,
+    ) -> torch.Tensor:
         seq_lens = [p + 1 for p in positions]
         batch = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
-            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
+            forward_mode=ForwardMode.DECODE,
+            batch_size=len(reqs),
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
             out_cache_loc=out_cache_loc.to(self.device),
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
-            seq_lens=self._tensor(seq_lens), seq_lens_cpu=seq_lens)
+            seq_lens=self._tensor(seq_lens),
+            seq_lens_cpu=seq_lens,
+        )
         return self._run(batch)

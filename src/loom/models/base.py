@@ -29,8 +29,9 @@ class CausalLM(nn.Module, ABC):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
@@ -39,6 +40,7 @@ class CausalLM(nn.Module, ABC):
     def kv_cache_shape(cls, config: Any) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs (before TP)."""
         head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
+            config.hidden_size // config.num_attention_heads
+        )
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return config.num_hidden_layers, num_kv, head_dim

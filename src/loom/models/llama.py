@@ -40,20 +40,28 @@ class LlamaAttention(nn.Module):
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // num_heads
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(self.hidden_size, self.head_dim, num_heads,
-                                          num_kv_heads, bias)
+        self.qkv_proj = QKVParallelLinear(
+            self.hidden_size, self.head_dim, num_heads, num_kv_heads, bias
+        )
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, self.hidden_size, bias)
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         theta, scaling = rope_params(config)
         rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
-        self.rotary_emb = get_rope(self.head_dim, rotary_dim, config.max_position_embeddings,
-                                   theta, scaling)
-        self.attn = Attention(layer_id, num_heads // tp, self.qkv_proj.num_kv_heads,
-                              self.head_dim, self.head_dim**-0.5)
+        self.rotary_emb = get_rope(
+            self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling
+        )
+        self.attn = Attention(
+            layer_id,
+            num_heads // tp,
+            self.qkv_proj.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+        )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
@@ -64,8 +72,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -85,7 +94,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, batch):

@@ -31,8 +31,13 @@ class SamplingBatchInfo:
     processors: dict[str, list[int]]  # processor name -> rows
 
     @classmethod
-    def build(cls, params: list[SamplingParams], output_lens: list[int], vocab_size: int,
-              device: torch.device) -> SamplingBatchInfo:
+    def build(
+        cls,
+        params: list[SamplingParams],
+        output_lens: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatchInfo:
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
@@ -50,21 +55,27 @@ class SamplingBatchInfo:
             need_top_p=any(p.top_p < 1.0 for p in params),
             need_top_k=any(k < vocab_size for k in top_ks),
             need_min_p=any(p.min_p > 0 for p in params),
-            seeds=[(i, p.sampling_seed, n) for i, (p, n) in
-                   enumerate(zip(params, output_lens, strict=True))
-                   if p.sampling_seed is not None],
+            seeds=[
+                (i, p.sampling_seed, n)
+                for i, (p, n) in enumerate(zip(params, output_lens, strict=True))
+                if p.sampling_seed is not None
+            ],
             processors=processors,
         )
 
 
-def apply_logits_processors(logits: torch.Tensor, info: SamplingBatchInfo,
-                            params: list[SamplingParams],
-                            histories: list[list[int]]) -> torch.Tensor:
+def apply_logits_processors(
+    logits: torch.Tensor,
+    info: SamplingBatchInfo,
+    params: list[SamplingParams],
+    histories: list[list[int]],
+) -> torch.Tensor:
     for name, rows in info.processors.items():
         proc = get_processor(name)
         idx = torch.tensor(rows, device=logits.device)
-        sub = proc(logits[idx], [params[r].custom_params for r in rows],
-                   [histories[r] for r in rows])
+        sub = proc(
+            logits[idx], [params[r].custom_params for r in rows], [histories[r] for r in rows]
+        )
         logits[idx] = sub
     return logits
 
@@ -96,8 +107,9 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def exponential_noise(shape: tuple[int, int], info: SamplingBatchInfo,
-                      device: torch.device) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, int], info: SamplingBatchInfo, device: torch.device
+) -> torch.Tensor:
     noise = torch.empty(shape, device=device).exponential_()
     for row, seed, position in info.seeds:
         gen = torch.Generator(device=device)

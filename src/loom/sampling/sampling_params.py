@@ -51,8 +51,10 @@ class SamplingParams:
                 if value is not None and value != _NOT_YET[key]:
                     raise ValueError(f"sampling parameter {key!r} is not supported yet")
             elif key not in known:
-                raise ValueError(f"unknown sampling parameter {key!r}; valid: "
-                                 f"{', '.join(sorted(known | set(_NOT_YET)))}")
+                raise ValueError(
+                    f"unknown sampling parameter {key!r}; valid: "
+                    f"{', '.join(sorted(known | set(_NOT_YET)))}"
+                )
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         proc = d.get("custom_logit_processor")

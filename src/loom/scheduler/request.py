@@ -39,8 +39,10 @@ class Req:
         return self.finished_reason is not None
 
     def __repr__(self) -> str:
-        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, "
-                f"out={len(self.output_ids)}, kv={self.kv_len})")
+        return (
+            f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, "
+            f"out={len(self.output_ids)}, kv={self.kv_len})"
+        )
 
 
 @dataclass

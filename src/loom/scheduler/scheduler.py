@@ -58,8 +58,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, runner: ModelRunner,
-                 eos_token_ids: set[int]) -> None:
+    def __init__(
+        self, server_args: ServerArgs, runner: ModelRunner, eos_token_ids: set[int]
+    ) -> None:
         self.args = server_args
         self.runner = runner
         self.eos_token_ids = set(eos_token_ids)
@@ -80,8 +81,9 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self._aborts: set[str] = set()
         self.init_new_token_ratio = min(1.0, 0.7 * server_args.schedule_conservativeness)
-        self.min_new_token_ratio = min(self.init_new_token_ratio,
-                                       0.14 * server_args.schedule_conservativeness)
+        self.min_new_token_ratio = min(
+            self.init_new_token_ratio, 0.14 * server_args.schedule_conservativeness
+        )
         self.new_token_ratio = self.init_new_token_ratio
         self.stats = SchedulerStats()
 
@@ -176,13 +178,16 @@ class Scheduler:
         return total
 
     def check_kv_balance(self) -> None:
-        owners = self.running + list(self.waiting) + ([self.chunked_req] if self.chunked_req
-                                                      else [])
+        owners = (
+            self.running + list(self.waiting) + ([self.chunked_req] if self.chunked_req else [])
+        )
         owned = sum(len(r.kv_pages) for r in owners)
         free = self.allocator.num_free
         if free + owned != self.allocator.num_pages:
-            raise AssertionError(f"KV pages do not balance: {free} free + {owned} owned != "
-                                 f"{self.allocator.num_pages}")
+            raise AssertionError(
+                f"KV pages do not balance: {free} free + {owned} owned != "
+                f"{self.allocator.num_pages}"
+            )
 
     # ---- prefill --------------------------------------------------------------------------
 
@@ -213,8 +218,11 @@ class Scheduler:
             remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
             need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
             if need > free_pages:
-                if not self.running and not items and self.allocator.num_free >= \
-                        self._pages_for(req.seq_len + 1):
+                if (
+                    not self.running
+                    and not items
+                    and self.allocator.num_free >= self._pages_for(req.seq_len + 1)
+                ):
                     pass  # nothing else runs: admit it; retraction/abort handles overflow
                 else:
                     break
@@ -241,7 +249,9 @@ class Scheduler:
             positions += range(it.prefix_len, it.prefix_len + it.extend_len)
         reqs = [it.req for it in items]
         logits = self.runner.forward_extend(
-            reqs, input_ids, positions,
+            reqs,
+            input_ids,
+            positions,
             prefix_lens=[it.prefix_len for it in items],
             extend_lens=[it.extend_len for it in items],
         )
@@ -296,12 +306,14 @@ class Scheduler:
             if len(self.running) == 1:
                 req = self.running.pop()
                 logger.error("KV pool too small for request %s", req.rid)
-                outputs.append(self._finish_abort(
-                    req, "the KV cache is too small for this request (raise --max-total-tokens)"))
+                outputs.append(
+                    self._finish_abort(
+                        req, "the KV cache is too small for this request (raise --max-total-tokens)"
+                    )
+                )
                 break
             # Retract the request that has done the least work (fewest outputs, longest prompt).
-            victim = min(self.running,
-                         key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.running.remove(victim)
             self._release(victim)
             victim.num_retractions += 1
@@ -315,8 +327,9 @@ class Scheduler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         params = [r.sampling_params for r in reqs]
-        info = SamplingBatchInfo.build(params, [len(r.output_ids) for r in reqs],
-                                       logits.shape[-1], logits.device)
+        info = SamplingBatchInfo.build(
+            params, [len(r.output_ids) for r in reqs], logits.shape[-1], logits.device
+        )
         if info.processors:
             logits = apply_logits_processors(logits, info, params, [r.fill_ids for r in reqs])
         return sample(logits, info).tolist()

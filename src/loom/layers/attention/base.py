@@ -65,8 +65,15 @@ class AttentionBackend(ABC):
     def prepare_device(self, batch: ForwardBatch, metadata: Any) -> None:  # noqa: B027
         """Graph-safe device-side preparation (fills buffers inside ``metadata``)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+        save_kv: bool = True,
+    ) -> torch.Tensor:
         if save_kv:
             batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.is_decode:
@@ -74,11 +81,13 @@ class AttentionBackend(ABC):
         return self.forward_extend(q, layer, batch)
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
-                       ) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         """New tokens attend causally to the cached prefix plus themselves (KV already saved)."""
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
-                       ) -> torch.Tensor:
+    def forward_decode(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         """One query token per request attends to the request's whole KV (already saved)."""

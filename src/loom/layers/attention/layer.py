@@ -12,8 +12,9 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """An attention layer of a model; the math is delegated to the batch's attention backend."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float) -> None:
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -21,6 +22,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         return batch.attn_backend.forward(q, k, v, self, batch)

@@ -64,11 +64,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(self, q, layer, batch):
         md: _Metadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
-        out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype,
-                          device=q.device)
+        out = torch.empty(
+            q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device
+        )
         for item in md.extend:
-            qi = q[item.q_start : item.q_start + item.q_len].view(item.q_len, layer.num_heads,
-                                                                  layer.head_dim)
+            qi = q[item.q_start : item.q_start + item.q_len].view(
+                item.q_len, layer.num_heads, layer.head_dim
+            )
             ki = k_buf[item.kv_indices]
             vi = v_buf[item.kv_indices]
             o = F.scaled_dot_product_attention(
@@ -80,8 +82,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 scale=layer.scaling,
                 enable_gqa=layer.num_heads != layer.num_kv_heads,
             )
-            out[item.q_start : item.q_start + item.q_len] = o[0].transpose(0, 1).reshape(
-                item.q_len, -1)
+            out[item.q_start : item.q_start + item.q_len] = (
+                o[0].transpose(0, 1).reshape(item.q_len, -1)
+            )
         return out
 
     def forward_decode(self, q, layer, batch):
