@@ -1,7 +1,7 @@
 """The Python API: ``loom.Engine``.
 
-The engine runs the scheduler loop in a background thread that owns the model (the HTTP server
-runs the same loop in its own process). Callers submit requests through a queue and collect
+The engine runs the scheduler loop in a background thread that owns the model (the HTTP server,
+which comes next, will run the same loop in a process of its own). Callers submit requests through a queue and collect
 ``ReqOutput``s from a per-request queue; tokenisation, detokenisation and stop strings happen on
 the caller's side, so the loop never waits on them.
 """
@@ -39,7 +39,8 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     start: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # stamped by the scheduler thread
+    finish_time: float | None = None
 
 
 class Engine:
@@ -162,6 +163,12 @@ class Engine:
             with self._states_lock:
                 st = self._states.get(out.rid)
             if st is not None:
+                # Stamp times here, on the scheduler thread: the caller may read outputs late.
+                now = time.monotonic()
+                if st.first_token_time is None and out.new_token_ids:
+                    st.first_token_time = now
+                if out.finished_reason is not None:
+                    st.finish_time = now
                 self._put(st, out)
 
     @staticmethod
@@ -259,8 +266,6 @@ class Engine:
 
     def _consume(self, st: _ReqState, out: ReqOutput) -> dict[str, Any]:
         """Apply one output to the request's state; returns the increment as an SGLang dict."""
-        if st.first_token_time is None and out.new_token_ids:
-            st.first_token_time = time.monotonic()
         new_ids = list(out.new_token_ids)
         st.output_ids.extend(new_ids)
         finished = out.finished_reason
@@ -287,8 +292,8 @@ class Engine:
             "completion_tokens": len(st.output_ids),
             "cached_tokens": out.cached_tokens,
             "finish_reason": finished,
-            "e2e_latency": time.monotonic() - st.start,
-            "ttft": (st.first_token_time or time.monotonic()) - st.start,
+            "e2e_latency": (st.finish_time or time.monotonic()) - st.start,
+            "ttft": (st.first_token_time or st.finish_time or time.monotonic()) - st.start,
         }
         if out.error:
             meta["error"] = out.error

@@ -8,7 +8,7 @@ rows of a batch by processor name and calls each processor once per step with ju
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -24,7 +24,10 @@ class LogitsProcessor(ABC):
       generated so far. Do not mutate it.
     - Called once per decode step and once after the prefill; must not block or sync needlessly.
     - ``validate_params`` runs when a request arrives; raise ``ValueError`` naming the problem.
+    - ``example_params`` are valid parameters the conformance kit (``loom.testing``) uses.
     """
+
+    example_params: ClassVar[dict[str, Any]] = {}
 
     @abstractmethod
     def __call__(
@@ -40,6 +43,8 @@ class LogitsProcessor(ABC):
 
 class DisallowedTokensProcessor(LogitsProcessor):
     """Never sample the token ids in ``params["token_ids"]``."""
+
+    example_params = {"token_ids": [1, 2, 3]}
 
     def validate_params(self, params: dict[str, Any]) -> None:
         ids = params.get("token_ids")

@@ -21,6 +21,8 @@ class ForceTokenProcessor(LogitsProcessor):
     the first case when the request arrives, and the vocabulary size is not known until here.
     """
 
+    example_params = {"token_id": 3}  # used by loom.testing.check_logits_processor
+
     def validate_params(self, params: dict[str, Any]) -> None:
         token_id = params.get("token_id")
         # bool is an int subclass, but `true` is not a token id.

@@ -1,0 +1,99 @@
+"""torch_native on CUDA: a tiny random Llama against HF on the same GPU, and the engine end to
+end in bf16. Skipped without CUDA (CI has none); run on the H200 as docs/benchmarks.md says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import loom
+from loom.config import ServerArgs
+from loom.model_executor.model_runner import ModelRunner
+from tests.test_llama_parity import _loom_logits
+
+pytestmark = pytest.mark.gpu
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(path)
+    return path
+
+
+def test_cuda_logits_match_hf_fp32(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda().eval()
+    runner = ModelRunner(
+        ServerArgs(model=str(tiny_dir), device="cuda", dtype="float32", max_total_tokens=2048)
+    )
+    ids = torch.randint(0, TINY["vocab_size"], (200,)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+    for split in (None, len(ids) - 1, 77):
+        got = _loom_logits(runner, ids, split)
+        assert (got - ref).abs().max().item() < 2e-4, split
+
+
+def test_cuda_engine_greedy_equals_hf(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda().eval()
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120)]
+    with loom.Engine(
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_total_tokens=4096,
+    ) as e:
+        outs = e.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        )
+        e.scheduler.check_kv_balance()
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(
+                torch.tensor([ids], device="cuda"),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out["output_ids"] == ref[0, len(ids) :].tolist()
+
+
+def test_cuda_bf16_dummy_engine_sizes_kv_from_memory(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps({**TINY, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    with loom.Engine(
+        model=str(cfg), load_format="dummy", skip_tokenizer_init=True, mem_fraction_static=0.3
+    ) as e:
+        info = e.get_server_info()
+        assert info["dtype"] == "bfloat16" and info["device"].startswith("cuda")
+        assert info["max_total_tokens"] > 100_000
+        outs = e.generate(
+            input_ids=[[1, 2, 3]] * 8, sampling_params={"max_new_tokens": 16, "ignore_eos": True}
+        )
+        assert all(len(o["output_ids"]) == 16 for o in outs)
