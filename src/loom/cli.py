@@ -1,4 +1,4 @@
-"""``loom generate | bench offline | plugins``. Plug-ins are discovered before arguments are
+"""``loom serve | generate | bench offline | bench serving | plugins``. Plug-ins are discovered before arguments are
 parsed, so flag choices and ``--help`` include out-of-tree names."""
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from loom.server.launch import serve
+
+    return serve(_server_kwargs(ns))
+
+
 def _server_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(ServerArgs.from_cli_args(ns)).items()}
 
@@ -76,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list plug-in families and their members")
     p.add_argument("family", nargs="?", help="only this family")
     p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser("serve", help="serve the model over HTTP (OpenAI and SGLang APIs)")
+    ServerArgs.add_cli_args(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("generate", help="generate text offline")
     p.add_argument("prompt", nargs="+", help="prompt text (several are run one after another)")
@@ -96,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_args(b)
     ServerArgs.add_cli_args(b)
     b.set_defaults(func=lambda ns: run_offline(ns, _server_kwargs(ns)))
+
+    from loom.bench.serving import add_serving_args, run_serving
+
+    b = bench.add_parser("serving", help="send HTTP streaming requests to a running server")
+    add_serving_args(b)
+    b.set_defaults(func=run_serving)
     return parser
 
 

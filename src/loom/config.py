@@ -125,6 +125,26 @@ class ServerArgs:
         ),
     )
 
+    # HTTP server (loom serve)
+    host: str = field(default="127.0.0.1", metadata=_arg("Address the HTTP server listens on."))
+    port: int = field(default=30000, metadata=_arg("Port of the HTTP server."))
+    api_key: str | None = field(
+        default=None,
+        metadata=_arg("Require `Authorization: Bearer <key>` on every route but /health."),
+    )
+    served_model_name: str | None = field(
+        default=None, metadata=_arg("Model name clients use in the OpenAI API (default: --model).")
+    )
+    disable_metrics: bool = field(
+        default=False, metadata=_arg("Turn off the Prometheus /metrics route.")
+    )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata=_arg(
+            "Reject requests with 503 while this many are waiting to start (default: no limit)."
+        ),
+    )
+
     # Logging
     log_level: str = field(
         default="warning",
@@ -142,6 +162,10 @@ class ServerArgs:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.schedule_conservativeness < 0:
             raise ValueError("schedule_conservativeness must be >= 0")
         for f in dataclasses.fields(self):

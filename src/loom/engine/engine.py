@@ -9,8 +9,10 @@ the caller's side, so the loop never waits on them.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +25,7 @@ from loom import plugins
 from loom.config import ServerArgs
 from loom.engine.tokenizer_manager import IncrementalDetokenizer, TokenizerManager
 from loom.sampling.sampling_params import SamplingParams
+from loom.scheduler.loop import SchedulerBatchOut
 from loom.scheduler.request import Req, ReqOutput
 
 logger = logging.getLogger(__name__)
@@ -39,20 +42,23 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     start: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None  # stamped by the scheduler thread
+    first_token_time: float | None = None  # stamped on the backend's thread
+    last_token_time: float | None = None
     finish_time: float | None = None
 
 
 class Engine:
-    """An in-process Loom engine.
+    """A Loom engine: the front end (tokenizer, detokenizer, stop strings) plus a scheduler loop.
 
     ``Engine(model=..., **server_args)`` takes the CLI flags as keyword arguments with underscores
-    (``max_running_requests=8``). Use it as a context manager or call ``shutdown()``.
+    (``max_running_requests=8``). Use it as a context manager or call ``shutdown()``. The loop
+    runs in a thread of this process (``backend="thread"``, the default) or, as ``loom serve``
+    does, in a scheduler process of its own (``backend="process"``).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        from loom.model_executor.model_runner import ModelRunner
-        from loom.scheduler.scheduler import Scheduler
+    def __init__(self, model: str | None = None, *, backend: str = "thread", **kwargs: Any) -> None:
+        from loom.engine.backends import ProcessBackend, ThreadBackend
+        from loom.model_loader.model_path import resolve_model_path
 
         if model is not None:
             kwargs["model"] = model
@@ -64,43 +70,77 @@ class Engine:
         self.radix_eviction_policy = plugins.resolve(
             "radix_eviction_policy", args.radix_eviction_policy
         )
-        self.runner = ModelRunner(args)
+        plugins.resolve("schedule_policy", args.schedule_policy)
+        self.model_path = resolve_model_path(args.model)
+        self.loader = plugins.resolve("model_loader", args.load_format)()
+        self.hf_config = self.loader.load_hf_config(self.model_path)
         self.tokenizer_manager: TokenizerManager | None = None
+        tokenizer = None
         if not args.skip_tokenizer_init:
-            path = args.tokenizer_path or self.runner.model_path
-            tokenizer = self.runner.loader.load_tokenizer(path)
+            path = args.tokenizer_path or self.model_path
+            tokenizer = self.loader.load_tokenizer(path)
             if tokenizer is None:
                 raise ValueError(
                     f"no tokenizer found at {path}; pass --tokenizer-path or --skip-tokenizer-init"
                 )
-            self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
-        self.eos_token_ids = self._eos_ids()
-        self.scheduler = Scheduler(args, self.runner, self.eos_token_ids)
-        self._inbox: queue.Queue = queue.Queue()
+        self.eos_token_ids = self._eos_ids(tokenizer)
         self._states: dict[str, _ReqState] = {}
         self._states_lock = threading.Lock()
-        self._rid_counter = itertools.count()
-        self._stopped = threading.Event()
         self._loop_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="loom-scheduler", daemon=True)
-        self._thread.start()
+        self._stopped = threading.Event()
+        self.load: dict[str, Any] = {}  # the scheduler's latest load figures
+        self.metrics = None  # set by the HTTP server: observe_output / observe_load
+        self.on_failure_hooks: list = []  # called once if the scheduler loop dies
+        if backend == "thread":
+            self.backend = ThreadBackend(
+                args, self.eos_token_ids, self._on_batch, self._on_failure, loader=self.loader
+            )
+        elif backend == "process":
+            self.backend = ProcessBackend(
+                args, self.eos_token_ids, self._on_batch, self._on_failure
+            )
+        else:
+            raise ValueError(f"backend must be 'thread' or 'process', got {backend!r}")
+        self.info = self.backend.info
+        if tokenizer is not None:
+            self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
 
     # ---- engine state ---------------------------------------------------------------------
 
     @property
     def context_len(self) -> int:
-        return self.runner.model_config.context_len
+        return self.info["context_length"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info["vocab_size"]
 
     @property
     def tokenizer(self) -> Any:
         return self.tokenizer_manager.tokenizer if self.tokenizer_manager else None
 
-    def _eos_ids(self) -> set[int]:
+    @property
+    def runner(self):
+        """The model runner (in-process backend only; tests and benchmarks use it)."""
+        return self.backend.runner
+
+    @property
+    def scheduler(self):
+        """The scheduler (in-process backend only)."""
+        return self.backend.scheduler
+
+    def _eos_ids(self, tokenizer: Any) -> set[int]:
         ids: set[int] = set()
-        eos = getattr(self.runner.model_config.hf_config, "eos_token_id", None)
+        eos = getattr(self.hf_config, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
-        if self.tokenizer_manager:
-            ids |= self.tokenizer_manager.eos_token_ids
+        gen_config = os.path.join(self.model_path, "generation_config.json")
+        if os.path.isfile(gen_config):
+            with open(gen_config) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int):
+            ids.add(tok_eos)
         return ids
 
     def get_server_info(self) -> dict[str, Any]:
@@ -108,68 +148,51 @@ class Engine:
 
         return {
             **dataclasses.asdict(self.server_args),
-            "model_path": self.runner.model_path,
-            "architecture": self.runner.model_config.architecture,
-            "device": str(self.runner.device),
-            "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "attention_backend": self.runner.attention_backend_name,
-            "max_total_tokens": self.runner.max_total_tokens,
-            "max_running_requests": self.runner.max_running_requests,
-            "context_length": self.context_len,
+            **self.info,
+            **self.load,
+            "eos_token_ids": sorted(self.eos_token_ids),
         }
 
-    # ---- the scheduler thread -------------------------------------------------------------
+    # ---- outputs from the scheduler (called on the backend's thread) -----------------------
 
-    def _loop(self) -> None:
-        sched = self.scheduler
-        try:
-            while not self._stopped.is_set():
-                try:
-                    item = self._inbox.get(timeout=0.05 if not sched.has_work else 0)
-                except queue.Empty:
-                    item = None
-                while item is not None:
-                    kind, payload = item
-                    if kind == "add":
-                        self._dispatch(sched.add_request(payload))
-                    elif kind == "abort":
-                        sched.abort(payload)
-                    try:
-                        item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        item = None
-                if sched.has_work:
-                    self._dispatch(sched.step())
-        except BaseException as e:  # never leave callers waiting forever
-            logger.exception("scheduler loop crashed")
-            self._loop_error = e
-            with self._states_lock:
-                states = list(self._states.values())
-            for st in states:
-                self._put(
-                    st,
-                    ReqOutput(
-                        st.rid,
-                        [],
-                        st.prompt_tokens,
-                        len(st.output_ids),
-                        finished_reason={"type": "abort", "message": f"engine error: {e}"},
-                        error=str(e),
-                    ),
-                )
-
-    def _dispatch(self, outputs: list[ReqOutput]) -> None:
-        for out in outputs:
+    def _on_batch(self, batch: SchedulerBatchOut) -> None:
+        self.load = batch.stats
+        now = time.monotonic()
+        for out in batch.outputs:
             with self._states_lock:
                 st = self._states.get(out.rid)
             if st is not None:
-                # Stamp times here, on the scheduler thread: the caller may read outputs late.
-                now = time.monotonic()
-                if st.first_token_time is None and out.new_token_ids:
-                    st.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.observe_output(st, out, now)
+                # Stamp times here: the caller may read outputs late.
+                if out.new_token_ids:
+                    if st.first_token_time is None:
+                        st.first_token_time = now
+                    st.last_token_time = now
                 if out.finished_reason is not None:
                     st.finish_time = now
                 self._put(st, out)
+        if self.metrics is not None:
+            self.metrics.observe_load(batch.stats)
+
+    def _on_failure(self, error: BaseException) -> None:
+        self._loop_error = error
+        with self._states_lock:
+            states = list(self._states.values())
+        for st in states:
+            self._put(
+                st,
+                ReqOutput(
+                    st.rid,
+                    [],
+                    st.prompt_tokens,
+                    len(st.output_ids),
+                    finished_reason={"type": "abort", "message": f"engine error: {error}"},
+                    error=str(error),
+                ),
+            )
+        for hook in list(self.on_failure_hooks):
+            hook(error)
 
     @staticmethod
     def _put(st: _ReqState, out: ReqOutput) -> None:
@@ -197,7 +220,7 @@ class Engine:
             params.validate()
         else:
             params = SamplingParams.from_dict(sampling_params)
-        params.validate(self.runner.vocab_size)
+        params.validate(self.vocab_size)
         if input_ids is None:
             if prompt is None:
                 raise ValueError("either prompt (text) or input_ids is required")
@@ -211,7 +234,7 @@ class Engine:
             input_ids = self.tokenizer_manager.encode(prompt)
         if not input_ids:
             raise ValueError("prompt is empty: at least one input token is required")
-        vocab = self.runner.vocab_size
+        vocab = self.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         if len(input_ids) >= self.context_len:
@@ -256,11 +279,27 @@ class Engine:
             if rid in self._states:
                 raise ValueError(f"duplicate request id {rid!r}")
             self._states[rid] = st
-        self._inbox.put(("add", Req(rid, input_ids, params)))
+        self.backend.send(("add", Req(rid, input_ids, params)))
         return st
 
+    def _forget(self, st: _ReqState) -> None:
+        """The caller went away: abort the request and drop its state."""
+        with self._states_lock:
+            self._states.pop(st.rid, None)
+        if not self._stopped.is_set():
+            self.abort_request(st.rid)
+
     def abort_request(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self.backend.send(("abort", rid))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted from this front end that have produced no token yet."""
+        with self._states_lock:
+            return sum(1 for st in self._states.values() if st.first_token_time is None)
+
+    def flush_cache(self) -> None:
+        self.backend.send(("flush_cache", None))
 
     # ---- collecting outputs ---------------------------------------------------------------
 
@@ -319,13 +358,8 @@ class Engine:
             if st.finished:
                 return self._final(st, inc)
 
-    def _stream(self, st: _ReqState) -> Iterator[dict[str, Any]]:
-        try:
-            while not st.finished:
-                yield self._consume(st, st.outputs.get())
-        finally:
-            if not st.finished:
-                self.abort_request(st.rid)
+    def _stream(self, st: _ReqState) -> _SyncStream:
+        return _SyncStream(self, st)
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -386,19 +420,11 @@ class Engine:
         ids, params = self._prepare(prompt, input_ids, sampling_params)
         st = self._submit(ids, params, rid, loop=asyncio.get_running_loop())
         if stream:
-            return self._astream(st)
+            return _AsyncStream(self, st)
         while True:
             inc = self._consume(st, await st.outputs.get())
             if st.finished:
                 return self._final(st, inc)
-
-    async def _astream(self, st: _ReqState) -> AsyncIterator[dict[str, Any]]:
-        try:
-            while not st.finished:
-                yield self._consume(st, await st.outputs.get())
-        finally:
-            if not st.finished:
-                self.abort_request(st.rid)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer_manager is None:
@@ -414,9 +440,9 @@ class Engine:
         )
 
     def shutdown(self) -> None:
-        self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self.backend.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -425,6 +451,58 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        stopped = getattr(self, "_stopped", None)
-        if stopped is not None:
-            stopped.set()
+        backend = getattr(self, "backend", None)
+        if backend is not None and not self._stopped.is_set():
+            self._stopped.set()
+            with contextlib.suppress(Exception):
+                backend.shutdown()
+
+
+class _SyncStream:
+    """Iterator of a request's increments; closing it before the end aborts the request (also
+    when iteration never started, which a generator's ``finally`` would miss)."""
+
+    def __init__(self, engine: Engine, st: _ReqState) -> None:
+        self._engine, self._st = engine, st
+
+    def __iter__(self) -> _SyncStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._st.finished:
+            raise StopIteration
+        return self._engine._consume(self._st, self._st.outputs.get())
+
+    def close(self) -> None:
+        if not self._st.finished:
+            self._st.finished = True
+            self._engine._forget(self._st)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _AsyncStream:
+    """Async iterator of a request's increments; ``aclose()`` before the end aborts it."""
+
+    def __init__(self, engine: Engine, st: _ReqState) -> None:
+        self._engine, self._st = engine, st
+
+    def __aiter__(self) -> _AsyncStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._st.finished:
+            raise StopAsyncIteration
+        return self._engine._consume(self._st, await self._st.outputs.get())
+
+    async def aclose(self) -> None:
+        if not self._st.finished:
+            self._st.finished = True
+            self._engine._forget(self._st)
+
+    def __del__(self) -> None:
+        st = getattr(self, "_st", None)
+        if st is not None and not st.finished:
+            st.finished = True
+            self._engine._forget(st)

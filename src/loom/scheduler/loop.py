@@ -1,0 +1,78 @@
+"""The scheduler event loop, shared by the in-process engine (a thread) and ``loom serve`` (a
+process of its own, fed over ZMQ).
+
+Messages in (tuples): ``("add", Req)``, ``("abort", rid)``, ``("flush_cache", None)``,
+``("shutdown", None)``. Batches out: ``SchedulerBatchOut`` (the step's outputs plus load figures),
+emitted after every step that produced something and at least every ``stats_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from loom.scheduler.request import ReqOutput
+
+if TYPE_CHECKING:
+    from loom.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerBatchOut:
+    outputs: list[ReqOutput]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def scheduler_stats(sched: Scheduler) -> dict[str, Any]:
+    alloc = sched.allocator
+    used = (alloc.num_pages - alloc.num_free) * alloc.page_size
+    return {
+        "num_running_reqs": len(sched.running) + (1 if sched.chunked_req else 0),
+        "num_queued_reqs": len(sched.waiting),
+        "kv_used_tokens": used,
+        "kv_total_tokens": alloc.num_pages * alloc.page_size,
+        "kv_free_pages": alloc.num_free,
+        "kv_total_pages": alloc.num_pages,
+        "num_retractions": sched.stats.num_retractions,
+        "num_generated_tokens": sched.stats.num_generated_tokens,
+        "num_prompt_tokens": sched.stats.num_prompt_tokens,
+    }
+
+
+def run_scheduler_loop(
+    sched: Scheduler,
+    poll: Callable[[float], list[tuple[str, Any]]],
+    emit: Callable[[SchedulerBatchOut], None],
+    should_stop: Callable[[], bool],
+    stats_interval: float = 1.0,
+) -> None:
+    """Run until ``should_stop()`` or a shutdown message. ``poll(timeout)`` returns pending
+    messages, waiting up to ``timeout`` seconds only when the scheduler is idle."""
+    last_emit = 0.0
+    while not should_stop():
+        stop = False
+        for kind, payload in poll(0.0 if sched.has_work else 0.05):
+            if kind == "add":
+                outputs = sched.add_request(payload)
+                if outputs:
+                    emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
+            elif kind == "abort":
+                sched.abort(payload)
+            elif kind == "flush_cache":
+                pass  # no prefix cache yet: nothing to flush
+            elif kind == "shutdown":
+                stop = True
+            else:
+                logger.error("unknown scheduler message %r", kind)
+        if stop:
+            return
+        outputs = sched.step() if sched.has_work else []
+        now = time.monotonic()
+        if outputs or now - last_emit > stats_interval:
+            emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
+            last_emit = now

@@ -1,0 +1,492 @@
+"""The HTTP server: OpenAI-compatible routes under /v1, SGLang's native routes, /metrics.
+
+The app holds the front end (an ``Engine`` whose scheduler runs in its own process); handlers only
+tokenise, submit, and stream increments back, so one slow or bad request never blocks others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from loom.server.protocol import APIError, bad, finish_reason, parse_chat, parse_completion
+
+if TYPE_CHECKING:
+    from loom.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_FIELD = re.compile(r"^([a-z_]+)[ :]")
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _value_error(e: ValueError) -> APIError:
+    """Engine validation errors start with the offending field's name."""
+    import dataclasses
+
+    from loom.sampling.sampling_params import SamplingParams
+
+    msg = str(e)
+    m = _FIELD.match(msg)
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} | {
+        "prompt",
+        "input_ids",
+        "messages",
+        "custom_logit_processor",
+    }
+    return bad(msg, m.group(1) if m and m.group(1) in fields else None)
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"malformed JSON body: {e}") from e
+
+
+def create_app(engine: Engine) -> FastAPI:
+    args = engine.server_args
+    model_name = args.served_model_name or args.model
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Stop the scheduler process before uvicorn re-raises SIGTERM/SIGINT and exits.
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    app = FastAPI(title="Loom", version="0.1.0", lifespan=lifespan)
+    metrics = None
+    if not args.disable_metrics:
+        from loom.server.metrics import Metrics
+
+        metrics = Metrics(model_name)
+        engine.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if args.api_key and request.url.path != "/health":
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {args.api_key}":
+                return _error_response(
+                    APIError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+                )
+        return await call_next(request)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (model_name, args.model):
+            raise APIError(
+                404,
+                f"model {name!r} not found; this server serves {model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    def admit(count: int) -> None:
+        if engine._loop_error is not None:
+            raise APIError(503, f"the scheduler has failed: {engine._loop_error}")
+        if (
+            args.max_queued_requests is not None
+            and engine.num_waiting + count > args.max_queued_requests
+        ):
+            raise APIError(
+                503, f"too many queued requests (limit {args.max_queued_requests}); retry later"
+            )
+
+    async def start(
+        input_ids: list[int] | None, text: str | None, sampling: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            return await engine.async_generate(
+                prompt=text, input_ids=input_ids, sampling_params=sampling, stream=True
+            )
+        except ValueError as e:
+            raise _value_error(e) from e
+
+    async def merged(streams: list[AsyncIterator[dict[str, Any]]]):
+        """Yield (index, increment) from several streams as they arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, s):
+            try:
+                async for inc in s:
+                    await queue.put((i, inc))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            live = len(streams)
+            while live:
+                i, inc = await queue.get()
+                if inc is None:
+                    live -= 1
+                else:
+                    yield i, inc
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    await s.aclose()
+
+    async def collect(request: Request, streams) -> list[dict[str, Any]]:
+        """Gather whole results; abort everything if the client goes away first."""
+        results = [{"text": "", "output_ids": [], "meta_info": {}} for _ in streams]
+
+        async def run():
+            async for i, inc in merged(streams):
+                r = results[i]
+                r["text"] += inc["text"]
+                r["output_ids"] += inc["output_ids"]
+                r["meta_info"] = inc["meta_info"]
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # merged()'s cleanup closes the streams, which aborts them
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise APIError(499, "client disconnected")
+        task.result()
+        return results
+
+    def usage(results: list[dict[str, Any]], prompt_lens: list[int]) -> dict[str, Any]:
+        completion = sum(r["meta_info"].get("completion_tokens", 0) for r in results)
+        prompt = sum(prompt_lens)
+        cached = sum(r["meta_info"].get("cached_tokens", 0) for r in results)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def choice_params(sampling: dict[str, Any], n: int, i: int) -> dict[str, Any]:
+        params = dict(sampling)
+        if n > 1 and "sampling_seed" in params:
+            params["sampling_seed"] += i  # n seeded choices must still differ
+        return params
+
+    # ---- OpenAI routes --------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "loom",
+                    "root": args.model,
+                    "max_model_len": engine.context_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, messages = parse_chat(await _json_body(request))
+        check_model(req.model)
+        try:
+            ids = engine.apply_chat_template(messages)
+        except ValueError as e:
+            raise _value_error(e) from e
+        admit(req.n)
+        streams = [
+            await start(ids, None, choice_params(req.sampling, req.n, i)) for i in range(req.n)
+        ]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "created": created, "model": model_name}
+        if not req.stream:
+            results = await collect(request, streams)
+            return {
+                **base,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": r["text"]},
+                        "finish_reason": finish_reason(r["meta_info"].get("finish_reason")),
+                        "logprobs": None,
+                    }
+                    for i, r in enumerate(results)
+                ],
+                "usage": usage(results, [len(ids)] * req.n),
+            }
+
+        async def events():
+            chunk = {**base, "object": "chat.completion.chunk"}
+            for i in range(req.n):
+                yield _sse(
+                    {
+                        **chunk,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            completion, cached = 0, 0
+            async for i, inc in merged(streams):
+                meta = inc["meta_info"]
+                reason = finish_reason(meta.get("finish_reason"))
+                if inc["text"]:
+                    yield _sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"content": inc["text"]},
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                if reason is not None:
+                    completion += meta["completion_tokens"]
+                    cached += meta.get("cached_tokens", 0)
+                    yield _sse(
+                        {**chunk, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}
+                    )
+            if req.include_usage:
+                prompt = len(ids) * req.n
+                yield _sse(
+                    {
+                        **chunk,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt,
+                            "completion_tokens": completion,
+                            "total_tokens": prompt + completion,
+                            "prompt_tokens_details": {"cached_tokens": cached},
+                        },
+                    }
+                )
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, prompts = parse_completion(await _json_body(request))
+        check_model(req.model)
+        admit(req.n * len(prompts))
+        streams, prompt_lens = [], []
+        for p in prompts:
+            text, ids = (p, None) if isinstance(p, str) else (None, p)
+            for i in range(req.n):
+                streams.append(await start(ids, text, choice_params(req.sampling, req.n, i)))
+            prompt_lens.append(len(engine.tokenizer_manager.encode(p)) if text else len(ids))
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "created": created, "model": model_name}
+        if not req.stream:
+            results = await collect(request, streams)
+            return {
+                **base,
+                "object": "text_completion",
+                "choices": [
+                    {
+                        "index": i,
+                        "text": r["text"],
+                        "logprobs": None,
+                        "finish_reason": finish_reason(r["meta_info"].get("finish_reason")),
+                    }
+                    for i, r in enumerate(results)
+                ],
+                "usage": usage(results, [n for n in prompt_lens for _ in range(req.n)]),
+            }
+
+        async def events():
+            chunk = {**base, "object": "text_completion"}
+            completion = 0
+            async for i, inc in merged(streams):
+                reason = finish_reason(inc["meta_info"].get("finish_reason"))
+                if reason is not None:
+                    completion += inc["meta_info"]["completion_tokens"]
+                if inc["text"] or reason is not None:
+                    yield _sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "text": inc["text"],
+                                    "logprobs": None,
+                                    "finish_reason": reason,
+                                }
+                            ],
+                        }
+                    )
+            if req.include_usage:
+                prompt = sum(prompt_lens) * req.n
+                yield _sse(
+                    {
+                        **chunk,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt,
+                            "completion_tokens": completion,
+                            "total_tokens": prompt + completion,
+                        },
+                    }
+                )
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ---- SGLang-native routes -------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        for key in body:
+            if key not in ("text", "input_ids", "sampling_params", "stream", "rid"):
+                raise bad(f"unknown field {key!r}", key)
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise bad("give exactly one of text or input_ids", "text")
+        if text is not None:
+            batch = isinstance(text, list)
+            items = [(t, None) for t in (text if batch else [text])]
+        else:
+            batch = bool(input_ids) and isinstance(input_ids[0], list)
+            items = [(None, ids) for ids in (input_ids if batch else [input_ids])]
+        params = body.get("sampling_params") or {}
+        params_list = params if isinstance(params, list) else [params] * len(items)
+        rids = body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * len(items)
+        if len(params_list) != len(items) or len(rids) != len(items):
+            raise bad("sampling_params and rid lists must match the batch size", "sampling_params")
+        stream = bool(body.get("stream", False))
+        admit(len(items))
+        streams = []
+        for (t, ids), sp, r in zip(items, params_list, rids, strict=True):
+            if not isinstance(sp, dict):
+                raise bad("sampling_params must be an object", "sampling_params")
+            try:
+                streams.append(
+                    await engine.async_generate(
+                        prompt=t, input_ids=ids, sampling_params=sp, rid=r, stream=True
+                    )
+                )
+            except ValueError as e:
+                for s in streams:
+                    await s.aclose()
+                raise _value_error(e) from e
+        if not stream:
+            results = await collect(request, streams)
+            return results if batch else results[0]
+
+        async def events():
+            acc = [{"text": "", "output_ids": []} for _ in streams]
+            async for i, inc in merged(streams):
+                acc[i]["text"] += inc["text"]
+                acc[i]["output_ids"] += inc["output_ids"]
+                out = {
+                    "text": acc[i]["text"],
+                    "output_ids": list(acc[i]["output_ids"]),
+                    "meta_info": inc["meta_info"],
+                }
+                if batch:
+                    out["index"] = i
+                yield _sse(out)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health():
+        if engine._loop_error is not None:
+            raise APIError(503, f"the scheduler has failed: {engine._loop_error}")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        try:
+            out = await asyncio.wait_for(
+                engine.async_generate(
+                    input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}
+                ),
+                60,
+            )
+        except Exception as e:
+            raise APIError(503, f"generation failed: {e}") from e
+        if out["meta_info"]["completion_tokens"] != 1:
+            raise APIError(503, "generation produced no token")
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return {
+            "model_path": engine.model_path,
+            "served_model_name": model_name,
+            "tokenizer_path": args.tokenizer_path or engine.model_path,
+            "is_generation": True,
+            "architecture": engine.info["architecture"],
+            "context_length": engine.context_len,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return engine.get_server_info()
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        engine.flush_cache()
+        return Response(
+            "Cache flushed (Loom has no prefix cache yet, so nothing was held).\n", status_code=200
+        )
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+            raise bad('abort_request needs {"rid": "..."}', "rid")
+        engine.abort_request(body["rid"])
+        return Response(status_code=200)
+
+    if metrics is not None:
+
+        @app.get("/metrics")
+        async def metrics_route():
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the front end (names follow SGLang's, with a ``loom:`` prefix)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        kw = {"labelnames": labels, "registry": self.registry}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, **kw).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, **kw).labels(model_name)
+
+        def histogram(name, doc):
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+
+        self.num_running = gauge("loom:num_running_reqs", "Requests being decoded or prefilled")
+        self.num_queued = gauge("loom:num_queued_reqs", "Requests waiting in the queue")
+        self.kv_usage = gauge("loom:token_usage", "Fraction of KV cache tokens in use")
+        self.kv_used = gauge("loom:kv_used_tokens", "KV cache tokens in use")
+        self.cache_hit_rate = gauge(
+            "loom:cache_hit_rate", "Prefix-cache hit rate (cached / prompt tokens)"
+        )
+        self.prompt_tokens = counter("loom:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("loom:generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("loom:cached_tokens", "Prompt tokens served from cache")
+        self.requests = counter("loom:num_requests", "Finished requests")
+        self.aborted = counter("loom:num_aborted_requests", "Aborted requests")
+        self.ttft = histogram("loom:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("loom:inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("loom:e2e_request_latency_seconds", "End-to-end request latency")
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def observe_load(self, stats: dict[str, Any]) -> None:
+        if not stats:
+            return
+        self.num_running.set(stats["num_running_reqs"])
+        self.num_queued.set(stats["num_queued_reqs"])
+        self.kv_used.set(stats["kv_used_tokens"])
+        self.kv_usage.set(stats["kv_used_tokens"] / max(1, stats["kv_total_tokens"]))
+
+    def observe_output(self, state: Any, out: Any, now: float) -> None:
+        """``state`` is the engine's per-request state, before this output is applied."""
+        n = len(out.new_token_ids)
+        if n:
+            self.generation_tokens.inc(n)
+            if state.last_token_time is None:
+                self.ttft.observe(now - state.start)
+            else:
+                gap = (now - state.last_token_time) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+        if out.finished_reason is not None:
+            self.requests.inc()
+            if out.finished_reason.get("type") == "abort":
+                self.aborted.inc()
+            self.e2e.observe(now - state.start)
+            self.prompt_tokens.inc(out.prompt_tokens)
+            self.cached_tokens.inc(out.cached_tokens)
+            self._prompt_total += out.prompt_tokens
+            self._cached_total += out.cached_tokens
+            self.cache_hit_rate.set(self._cached_total / max(1, self._prompt_total))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

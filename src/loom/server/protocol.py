@@ -1,0 +1,251 @@
+"""Request parsing for the OpenAI routes: every field is known, type-checked and range-checked,
+and turned into Loom's sampling parameters. Unknown fields and fields whose feature has not landed
+yet are refused with a 400 that names them: nothing is silently ignored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class APIError(Exception):
+    """An error with an HTTP status, in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            503: "service_unavailable",
+        }.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+# Fields whose feature arrives with a later issue: accepted by name, refused unless neutral.
+_LATER = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logprobs": (False, None, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "min_tokens": (0, None),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "lora_path": (None,),
+}
+# Metadata that does not change generation.
+_METADATA = {"user", "metadata", "store", "service_tier", "stream_options", "rid"}
+
+
+def _num(
+    body: dict,
+    name: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    integer: bool = False,
+) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        raise bad(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise bad(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise bad(f"{name} must be <= {hi}, got {value}", name)
+    return value
+
+
+@dataclass
+class ParsedRequest:
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any]  # Loom sampling params (SGLang names)
+
+
+def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    allowed = (
+        known
+        | set(_LATER)
+        | _METADATA
+        | {
+            "model",
+            "n",
+            "stream",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "top_k",
+            "min_p",
+            "ignore_eos",
+            "skip_special_tokens",
+            "stop_token_ids",
+            "custom_logit_processor",
+            "custom_params",
+            "no_stop_trim",
+        }
+    )
+    for key in body:
+        if key not in allowed:
+            raise bad(f"unknown field {key!r}", key)
+    for key, neutral in _LATER.items():
+        if key in body and body[key] not in neutral:
+            raise bad(f"{key} is not supported yet", key)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    n = _num(body, "n", 1, 64, integer=True) or 1
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    if opts and not stream:
+        raise bad("stream_options is only allowed with stream=true", "stream_options")
+    sampling: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        sampling["max_new_tokens"] = _num(body, key, 1, integer=True)
+    if (t := _num(body, "temperature", 0, 2)) is not None:
+        sampling["temperature"] = t
+    if (p := _num(body, "top_p", 0, 1, lo_open=True)) is not None:
+        sampling["top_p"] = p
+    if (k := _num(body, "top_k", integer=True)) is not None:
+        if k == 0 or k < -1:
+            raise bad(f"top_k must be -1 or >= 1, got {k}", "top_k")
+        sampling["top_k"] = k
+    if (m := _num(body, "min_p", 0, 1)) is not None:
+        sampling["min_p"] = m
+    if (seed := _num(body, "seed", integer=True)) is not None:
+        sampling["sampling_seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop must be a string or a list of non-empty strings", "stop")
+        sampling["stop"] = stops
+    for key in ("ignore_eos", "skip_special_tokens"):
+        if key in body:
+            if not isinstance(body[key], bool):
+                raise bad(f"{key} must be a boolean", key)
+            sampling[key] = body[key]
+    if "stop_token_ids" in body:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise bad("stop_token_ids must be a list of integers", "stop_token_ids")
+        sampling["stop_token_ids"] = ids
+    for key in ("custom_logit_processor", "custom_params"):
+        if body.get(key) is not None:
+            sampling[key] = body[key]
+    return ParsedRequest(model, n, stream, bool(opts.get("include_usage")), sampling)
+
+
+def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]]]:
+    req = parse_common(body, {"messages"})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in (
+            "system",
+            "user",
+            "assistant",
+            "developer",
+            "tool",
+        ):
+            raise bad(
+                f"messages[{i}] needs a role of system, user, assistant, developer or tool",
+                "messages",
+            )
+        content = msg.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        role = "system" if msg["role"] == "developer" else msg["role"]
+        out.append({"role": role, "content": content})
+    return req, out
+
+
+def parse_completion(body: dict[str, Any]) -> tuple[ParsedRequest, list[str | list[int]]]:
+    req = parse_common(body, {"prompt"})
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))
+            for p in prompt
+        )
+    ):
+        prompts = list(prompt)
+    else:
+        raise bad(
+            "prompt must be a string, a list of strings, a list of token ids or a list "
+            "of token-id lists",
+            "prompt",
+        )
+    if any(len(p) == 0 for p in prompts):
+        raise bad("prompt must not be empty", "prompt")
+    return req, prompts
+
+
+def finish_reason(reason: dict[str, Any] | None) -> str | None:
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason.get("type"), reason.get("type"))

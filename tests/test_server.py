@@ -1,0 +1,371 @@
+"""A real `loom serve` in a subprocess on a free loopback port, driven by the official openai
+client and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import chat_ids
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
+    return [int(x) for x in out.split()]
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "loom.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--max-total-tokens",
+                "16384",
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            self.stop()
+            raise TimeoutError("server did not start")
+        self.children = _children(self.proc.pid)
+        self.scheduler_pid = httpx.get(self.url + "/server_info").json()["scheduler_pid"]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead too
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def _kv_balanced(server) -> bool:
+    for _ in range(50):
+        info = httpx.get(server.url + "/server_info").json()
+        if info["kv_free_pages"] == info["kv_total_pages"] and info["num_running_reqs"] == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_scheduler_runs_in_its_own_process(server):
+    assert server.scheduler_pid in server.children
+
+
+def test_chat_greedy_equals_engine(client, engine):
+    want = engine.generate(
+        input_ids=chat_ids(engine, MESSAGES[0]["content"]),
+        sampling_params={"max_new_tokens": 32, "temperature": 0},
+    )
+    resp = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=32, temperature=0
+    )
+    assert resp.choices[0].message.content == want["text"] == "The capital of France is Paris."
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+    assert resp.usage.completion_tokens == want["meta_info"]["completion_tokens"]
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_stream_equals_non_stream(client):
+    kwargs = dict(
+        model="smollm2-135m-instruct",
+        max_tokens=40,
+        temperature=0,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Write a haiku about the sea."},
+        ],
+    )
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_n_choices(client):
+    resp = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=3
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert 3 <= resp.usage.completion_tokens <= 24
+    assert len({c.message.content for c in resp.choices}) > 1  # seed + i per choice
+
+
+def test_completions_list_and_stream(client, engine):
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    resp = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts, max_tokens=6, temperature=0
+    )
+    assert len(resp.choices) == 2
+    for prompt, choice in zip(prompts, resp.choices, strict=True):
+        want = engine.generate(prompt, {"max_new_tokens": 6, "temperature": 0})["text"]
+        assert choice.text == want
+    stream = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts[0], max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == resp.choices[0].text
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+
+
+def test_generate_native(server, engine):
+    url = server.url + "/generate"
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    single = httpx.post(url, json={"text": "Hello, my name is", "sampling_params": sp}).json()
+    assert single["text"] == engine.generate("Hello, my name is", sp)["text"]
+    assert single["meta_info"]["completion_tokens"] == len(single["output_ids"]) == 8
+    batch = httpx.post(
+        url, json={"text": ["Hello, my name is", "Paris is"], "sampling_params": sp}
+    ).json()
+    assert batch[0]["output_ids"] == single["output_ids"] and len(batch) == 2
+    ids = httpx.post(
+        url, json={"input_ids": single["output_ids"][:3], "sampling_params": sp}
+    ).json()
+    assert len(ids["output_ids"]) == 8
+    with httpx.stream(
+        "POST", url, json={"text": "Hello, my name is", "sampling_params": sp, "stream": True}
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["text"] == single["text"] and last["output_ids"] == single["output_ids"]
+
+
+def test_health_generate_and_info(server):
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    info = httpx.get(server.url + "/model_info").json()
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert httpx.get(server.url + "/get_model_info").json() == info
+    assert httpx.post(server.url + "/flush_cache").status_code == 200
+
+
+def test_abort_request(server):
+    result = {}
+
+    def run():
+        result["r"] = httpx.post(
+            server.url + "/generate",
+            timeout=120,
+            json={
+                "text": "Count forever:",
+                "rid": "long-one",
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+            },
+        ).json()
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.5)
+    assert httpx.post(server.url + "/abort_request", json={"rid": "long-one"}).status_code == 200
+    t.join(60)
+    assert result["r"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["r"]["meta_info"]["completion_tokens"] < 2000
+    assert _kv_balanced(server)
+
+
+def test_concurrent_streams_with_disconnects(server):
+    n_tokens, results = 24, {}
+
+    def run(i: int) -> None:
+        body = {
+            "text": f"Story number {i}:",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": n_tokens, "ignore_eos": True, "temperature": 0},
+        }
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                results[i] = len(chunk["output_ids"])
+                if i < 8 and results[i] >= n_tokens // 2:
+                    return  # disconnect half-way
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(results[i] == n_tokens for i in range(8, 32))
+    assert all(n_tokens // 2 <= results[i] < n_tokens for i in range(8))
+    assert _kv_balanced(server)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "loom:time_to_first_token_seconds_count" in metrics
+    assert "loom:num_aborted_requests_total" in metrics
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", {"messages": MESSAGES, "bogus": 1}, 400, "bogus"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 2}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "frequency_penalty": 0.5},
+        400,
+        "frequency_penalty",
+    ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi" * 10000}, 400, "prompt"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -2}}, 400, "temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, None),
+    ("/abort_request", {}, 400, "rid"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input(server, client, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if isinstance(body, dict) and "hi" * 100 in json.dumps(body):
+        assert "context length" in err["message"] and "8192" in err["message"]
+    # ... and the server keeps answering
+    resp = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=2, temperature=0
+    )
+    assert resp.choices[0].message.content
+
+
+def test_api_key_queue_limit_and_sigterm():
+    s = Server("--api-key", "sekret", "--max-running-requests", "1", "--max-queued-requests", "2")
+    try:
+        url = s.url + "/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200  # no key needed
+        statuses = []
+
+        def run():
+            r = httpx.post(
+                s.url + "/generate",
+                timeout=120,
+                headers={"Authorization": "Bearer sekret"},
+                json={"text": "Hi", "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}},
+            )
+            statuses.append((r.status_code, r.headers.get("retry-after")))
+
+        threads = [threading.Thread(target=run) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        codes = [c for c, _ in statuses]
+        assert 200 in codes and 503 in codes
+        assert all(ra == "1" for c, ra in statuses if c == 503)
+    finally:
+        children = s.children
+        rc = s.stop()
+    assert rc in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    time.sleep(0.5)
+    assert children and not any(_alive(p) for p in children)
+
+
+def test_scheduler_crash_stops_the_server():
+    s = Server()
+    try:
+        os.kill(s.scheduler_pid, signal.SIGKILL)
+        rc = s.proc.wait(timeout=60)
+        out = s.proc.stdout.read()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert rc != 0 and "scheduler process died" in out
+
+
+def test_server_killed_takes_the_scheduler_with_it():
+    s = Server()
+    child = s.scheduler_pid
+    s.proc.kill()  # SIGKILL: no chance to clean up; the kernel's parent-death signal does it
+    s.proc.wait(timeout=30)
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
