@@ -10,7 +10,6 @@ TORCH_CPU ?= torch==2.13.0
 EXAMPLE := examples/loom-example-plugin
 # Rebuilt only when what it installs from changes; delete it (or .venv) to force a reinstall.
 STAMP := $(VENV)/.loom-setup
-PROMPT ?= What is the capital of France?
 
 .PHONY: setup serve test lint format clean
 
@@ -33,9 +32,11 @@ $(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps -e $(EXAMPLE)
 	touch $@
 
-# Becomes the HTTP server (`loom serve`) when that lands; until then, one offline chat generation.
+# The HTTP server on the default model (OpenAI API under /v1). SERVE_ARGS adds flags, e.g.
+# `make serve SERVE_ARGS="--port 8000 --dtype bfloat16"`.
+SERVE_ARGS ?=
 serve: setup
-	$(BIN)/loom generate --chat "$(PROMPT)"
+	$(BIN)/loom serve $(SERVE_ARGS)
 
 test: setup
 	$(BIN)/ruff check src tests examples

@@ -34,7 +34,10 @@ def _children(pid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, api_key: str | None = None) -> None:
+        if api_key:
+            flags = (*flags, "--api-key", api_key)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
@@ -66,8 +69,14 @@ class Server:
         else:
             self.stop()
             raise TimeoutError("server did not start")
-        self.children = _children(self.proc.pid)
-        self.scheduler_pid = httpx.get(self.url + "/server_info").json()["scheduler_pid"]
+        try:
+            self.children = _children(self.proc.pid)
+            info = httpx.get(self.url + "/server_info", headers=self.headers).json()
+            assert "scheduler_pid" in info, info
+            self.scheduler_pid = info["scheduler_pid"]
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -266,6 +275,21 @@ def test_concurrent_streams_with_disconnects(server):
     assert "loom:num_aborted_requests_total" in metrics
 
 
+def test_non_streaming_client_disconnect_aborts(server):
+    before = httpx.get(server.url + "/metrics").text.count("\n")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.url + "/generate",
+            timeout=1.5,
+            json={
+                "text": "Count forever:",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            },
+        )
+    assert before > 0
+    assert _kv_balanced(server)  # aborted long before 3000 tokens
+
+
 BAD = [
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", {"messages": MESSAGES, "bogus": 1}, 400, "bogus"),
@@ -287,6 +311,12 @@ BAD = [
         "response_format",
     ),
     ("/v1/chat/completions", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "model": "smollm2-135m-instruct:sql"},
+        400,
+        "model",
+    ),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi" * 10000}, 400, "prompt"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -2}}, 400, "temperature"),
@@ -313,7 +343,7 @@ def test_bad_input(server, client, path, body, status, param):
 
 
 def test_api_key_queue_limit_and_sigterm():
-    s = Server("--api-key", "sekret", "--max-running-requests", "1", "--max-queued-requests", "2")
+    s = Server("--max-running-requests", "1", "--max-queued-requests", "2", api_key="sekret")
     try:
         url = s.url + "/v1/models"
         assert httpx.get(url).status_code == 401

@@ -63,6 +63,23 @@ async def _json_body(request: Request) -> Any:
         raise bad(f"malformed JSON body: {e}") from e
 
 
+class _APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which hides client disconnects from handlers)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if auth != self.expected:
+                err = APIError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine) -> FastAPI:
     args = engine.server_args
     model_name = args.served_model_name or args.model
@@ -85,19 +102,18 @@ def create_app(engine: Engine) -> FastAPI:
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return _error_response(err)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if args.api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {args.api_key}":
-                return _error_response(
-                    APIError(401, "missing or wrong API key (Authorization: Bearer <key>)")
-                )
-        return await call_next(request)
+    if args.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=args.api_key)
 
     # ---- helpers --------------------------------------------------------------------------
 
     def check_model(name: str | None) -> None:
+        base, sep, adapter = (name or "").partition(":")
+        if sep and base in (model_name, args.model):
+            raise bad(
+                f"LoRA adapter {adapter!r} requested, but LoRA serving is not supported yet",
+                "model",
+            )
         if name is not None and name not in (model_name, args.model):
             raise APIError(
                 404,
