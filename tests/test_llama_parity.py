@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import CHAT_PROMPTS, chat_ids
 
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.request import Req
+from tests.conftest import CHAT_PROMPTS, chat_ids
 
 PROMPTS = [
     "The quick brown fox",

@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from tests.conftest import CHAT_PROMPTS, chat_ids
-from tests.test_llama_parity import _loom_logits
 
 import loom
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
+from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.test_llama_parity import _loom_logits
 
 
 def test_safetensors_dir_gives_same_greedy_tokens(engine, hf_ref_dir):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.conftest import CHAT_PROMPTS, chat_ids
 
 import loom
+from tests.conftest import CHAT_PROMPTS, chat_ids
 
 PARAMS = {"max_new_tokens": 48, "temperature": 0}
 

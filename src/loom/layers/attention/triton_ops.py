@@ -1,0 +1,354 @@
+"""Loom's Triton attention kernels over the paged KV pool.
+
+- ``decode_attention``: one query token per request, flash-decoding style. Stage 1 splits each
+  request's KV into ``num_splits`` chunks (one program per request x KV head x split, all query
+  heads of the GQA group together) and writes a partial output and log-sum-exp per split; stage 2
+  merges the splits. Everything it reads about the batch lives in device tensors (``seq_lens``,
+  ``req_pool_indices``) and the grid depends only on the batch size, so it can be captured in a
+  CUDA graph.
+- ``extend_attention``: new tokens attend to their request's cached prefix plus themselves,
+  causally (their own K/V are already in the pool). One program per request x query head x block
+  of new tokens.
+
+KV slots come from the req-to-token table, so pages may lie anywhere in the pool. Under
+``TRITON_INTERPRET=1`` both run on CPU tensors, which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_stage1(
+    Q,
+    K,
+    V,
+    ReqToToken,
+    ReqPoolIdx,
+    SeqLens,
+    MidO,
+    MidLse,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_rt,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    scale,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(ReqPoolIdx + b)
+    chunk = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        loc = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+        k = tl.load(
+            K + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(
+            V + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    has = end > start
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(
+        MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO,
+    MidLse,
+    Out,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(
+        MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf")
+    )
+    m = tl.max(lse, axis=0)
+    w = tl.where(s_mask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+    o = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
+    buffers may be passed in (fixed addresses for CUDA graphs)."""
+    bs, num_heads, head_dim = q.shape
+    kv_heads = k_buf.shape[1]
+    group = num_heads // kv_heads
+    if mid_o is None:
+        mid_o = torch.empty(
+            bs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        mid_lse = torch.empty(bs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_stage1[(bs, kv_heads, num_splits)](
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        scale,
+        GROUP=group,
+        BLOCK_H=max(triton.next_power_of_2(group), 1),
+        BLOCK_N=32,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+    )
+    _decode_stage2[(bs, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    ReqToToken,
+    ReqPoolIdx,
+    QStart,
+    ExtendLens,
+    PrefixLens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_rt,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblock = tl.program_id(2)
+    ext = tl.load(ExtendLens + b)
+    if mblock * BLOCK_M >= ext:
+        return
+    prefix = tl.load(PrefixLens + b)
+    q_start = tl.load(QStart + b)
+    row = tl.load(ReqPoolIdx + b)
+    kv_head = h // GROUP
+
+    offs_m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < ext
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = prefix + offs_m  # absolute position of each query
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys up to the last query's position: the prefix and the causal part of the new tokens.
+    kv_end = tl.minimum(prefix + (mblock + 1) * BLOCK_M, prefix + ext)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        loc = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+        k = tl.load(
+            K + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(
+            V + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    q_start: torch.Tensor,
+    extend_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[num_tokens, num_heads, head_dim]`` (all requests' new tokens, concatenated)."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k_buf.shape[1]
+    out = torch.empty_like(q)
+    block_m = 32 if head_dim <= 128 else 16
+    grid = (req_pool_indices.shape[0], num_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        q_start,
+        extend_lens,
+        prefix_lens,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        scale,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+    )
+    return out
