@@ -6,6 +6,11 @@ import pathlib
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (set before any import
+# of triton, which Loom does lazily).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from loom.model_loader.model_path import resolve_model_path
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

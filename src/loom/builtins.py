@@ -8,6 +8,8 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "attention_backend": {
         "torch_native": "loom.layers.attention.torch_native:TorchNativeAttnBackend",
+        "triton": "loom.layers.attention.triton_backend:TritonAttnBackend",
+        "flash_attention": "loom.layers.attention.flash_attention_backend:FlashAttentionBackend",
     },
     "model_loader": {
         "auto": "loom.model_loader.loaders:AutoLoader",
@@ -29,6 +31,8 @@ BUILTINS: dict[str, dict[str, str]] = {
 # Optional modules a built-in needs; `loom plugins` reports whether they are importable.
 REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model_loader", "gguf"): ("gguf",),
+    ("attention_backend", "triton"): ("triton",),
+    ("attention_backend", "flash_attention"): ("triton",),
 }
 
 

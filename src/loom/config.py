@@ -145,6 +145,18 @@ class ServerArgs:
         ),
     )
 
+    # CUDA graphs
+    disable_cuda_graph: bool = field(
+        default=False,
+        metadata=_arg("Run decode eagerly instead of replaying captured CUDA graphs."),
+    )
+    cuda_graph_max_bs: int = field(
+        default=160,
+        metadata=_arg(
+            "Largest decode batch captured as a CUDA graph (larger batches run eagerly)."
+        ),
+    )
+
     # Logging
     log_level: str = field(
         default="warning",

@@ -24,6 +24,7 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
     tie_word_embeddings=False,
+    initializer_range=0.2,
 )
 
 
@@ -97,3 +98,24 @@ def test_cuda_bf16_dummy_engine_sizes_kv_from_memory(tmp_path):
             input_ids=[[1, 2, 3]] * 8, sampling_params={"max_new_tokens": 16, "ignore_eos": True}
         )
         assert all(len(o["output_ids"]) == 16 for o in outs)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attention"])
+def test_cuda_backends_and_graphs_match_torch_native(tiny_dir, backend):
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
+    params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    kw = dict(
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_total_tokens=8192,
+        page_size=16,
+    )
+    with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
+        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    with loom.Engine(attention_backend=backend, cuda_graph_max_bs=8, **kw) as e:
+        assert e.runner.cuda_graph_runner is not None
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+        e.scheduler.check_kv_balance()
+    assert got == want

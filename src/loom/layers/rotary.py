@@ -52,7 +52,6 @@ class RotaryEmbedding(nn.Module):
         # fp32 caches, indexed by position; cast to the activation dtype per call like HF does.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-        self._last: tuple | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -65,15 +64,22 @@ class RotaryEmbedding(nn.Module):
             out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
         return out.view(num_tokens, -1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # Layers share one instance (get_rope) and the same positions tensor within a forward,
-        # so the cos/sin gather is done once per forward, not once per layer.
-        if self._last is not None and self._last[0] is positions and self._last[1] == q.dtype:
-            cos, sin = self._last[2], self._last[3]
-        else:
-            cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-            sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-            self._last = (positions, q.dtype, cos, sin)
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions``, computed once per forward and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 

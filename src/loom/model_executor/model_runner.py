@@ -86,6 +86,16 @@ class ModelRunner:
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
         self._init_memory()
         self._init_attention_backend()
+        self.cuda_graph_runner = None
+        if (
+            self.device.type == "cuda"
+            and not args.disable_cuda_graph
+            and self.attn_backend.supports_cuda_graph
+        ):
+            from loom.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            max_bs = min(args.cuda_graph_max_bs, self.max_running_requests)
+            self.cuda_graph_runner = CudaGraphRunner(self, max_bs)
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -212,6 +222,15 @@ class ModelRunner:
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         seq_lens = [p + 1 for p in positions]
+        graphs = self.cuda_graph_runner
+        if graphs is not None and graphs.can_run(len(reqs)):
+            return graphs.replay(
+                self._tensor(input_ids),
+                self._tensor(positions),
+                self._tensor(seq_lens),
+                self._tensor([r.req_pool_idx for r in reqs]),
+                out_cache_loc.to(self.device),
+            )
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),

@@ -60,11 +60,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
@@ -78,13 +82,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, batch):
+    def forward(self, positions, hidden, residual, batch, cos_sin=None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
+        hidden = self.self_attn(positions, hidden, batch, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -100,8 +104,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, batch):
         hidden, residual = self.embed_tokens(input_ids), None
+        # Layers share one rotary table (get_rope): gather cos/sin once per forward.
+        cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
+            hidden, residual = layer(positions, hidden, residual, batch, cos_sin)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -247,6 +247,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -284,7 +285,7 @@ def _extend_kernel(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32) * scale
         allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -296,7 +297,9 @@ def _extend_kernel(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
+            tl.float32
+        )
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -350,5 +353,7 @@ def extend_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_N=32,
+        # fp32 inputs: exact IEEE products (Triton's default TF32 is off by ~1e-3)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

@@ -1,0 +1,92 @@
+"""The ``triton`` attention backend: Loom's own kernels (``triton_ops.py``) over the paged pool.
+
+Decode reads only device tensors whose shapes depend on the batch size, so it is CUDA-graph
+safe. On CPU it runs only under ``TRITON_INTERPRET=1`` (tests); ``--attention-backend auto`` picks
+it on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from loom.layers.attention.base import AttentionBackend
+
+DEFAULT_NUM_KV_SPLITS = 8
+
+
+@dataclass
+class _Metadata:
+    q_start: torch.Tensor | None = None
+    extend_lens: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    max_extend_len: int = 0
+
+
+class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.num_kv_splits = DEFAULT_NUM_KV_SPLITS
+
+    @classmethod
+    def is_supported(cls, device: torch.device) -> bool:
+        if importlib.util.find_spec("triton") is None:
+            return False
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+    def prepare_host(self, batch):
+        md = _Metadata()
+        if batch.is_decode:
+            return md
+        device = batch.input_ids.device
+        ext = batch.extend_seq_lens_cpu
+        starts = [0]
+        for n in ext[:-1]:
+            starts.append(starts[-1] + n)
+        md.q_start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        md.extend_lens = torch.tensor(ext, dtype=torch.int64).to(device, non_blocking=True)
+        md.prefix_lens = torch.tensor(batch.extend_prefix_lens_cpu, dtype=torch.int64).to(
+            device, non_blocking=True
+        )
+        md.max_extend_len = max(ext)
+        return md
+
+    def forward_extend(self, q, layer, batch):
+        from loom.layers.attention.triton_ops import extend_attention
+
+        md: _Metadata = batch.attn_metadata
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        out = extend_attention(
+            q.view(-1, layer.num_heads, layer.head_dim),
+            k_buf,
+            v_buf,
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            md.q_start,
+            md.extend_lens,
+            md.prefix_lens,
+            md.max_extend_len,
+            layer.scaling,
+        )
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_decode(self, q, layer, batch):
+        from loom.layers.attention.triton_ops import decode_attention
+
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        out = decode_attention(
+            q.view(-1, layer.num_heads, layer.head_dim),
+            k_buf,
+            v_buf,
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            layer.scaling,
+            self.num_kv_splits,
+        )
+        return out.view(-1, layer.num_heads * layer.head_dim)
