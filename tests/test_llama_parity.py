@@ -37,7 +37,7 @@ def _loom_logits(runner: ModelRunner, ids: list[int], split: int | None = None) 
             return runner.forward_extend([req], ids, list(range(len(ids))), [0], [len(ids)])[0]
         runner.forward_extend([req], ids[:split], list(range(split)), [0], [split])
         if split == len(ids) - 1:
-            loc = table[req.req_pool_idx, split : split + 1]
+            loc = table[req.req_pool_idx, split : split + 1].tolist()
             return runner.forward_decode([req], [ids[-1]], [split], loc)[0]
         n = len(ids) - split
         return runner.forward_extend(

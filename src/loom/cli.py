@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(b)
     b.set_defaults(func=lambda ns: run_offline(ns, _server_kwargs(ns)))
 
+    from loom.bench.latency import add_latency_args, run_latency
+
+    b = bench.add_parser("latency", help="one batch: prefill ms, decode ms per step")
+    add_latency_args(b)
+    ServerArgs.add_cli_args(b)
+    b.set_defaults(func=lambda ns: run_latency(ns, _server_kwargs(ns)))
+
     from loom.bench.serving import add_serving_args, run_serving
 
     b = bench.add_parser("serving", help="send HTTP streaming requests to a running server")

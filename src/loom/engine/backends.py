@@ -47,6 +47,7 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
         "vocab_size": runner.vocab_size,
         "page_size": args.page_size,
         "scheduler_pid": os.getpid(),
+        "cuda_graphs": runner.cuda_graph_runner is not None,
     }
     return runner, sched, info
 

@@ -219,26 +219,28 @@ class ModelRunner:
         reqs: list[Req],
         input_ids: list[int],
         positions: list[int],
-        out_cache_loc: torch.Tensor,
+        out_cache_loc: list[int],
     ) -> torch.Tensor:
+        """One decode step; also records each request's new slot in the req-to-token table."""
         seq_lens = [p + 1 for p in positions]
+        # One host-to-device copy for the whole batch description.
+        rows_cpu = [r.req_pool_idx for r in reqs]
+        packed = torch.tensor(
+            [input_ids, positions, seq_lens, rows_cpu, out_cache_loc], dtype=torch.int64
+        ).to(self.device, non_blocking=True)
+        ids, pos, lens, rows, locs = packed.unbind(0)
+        self.req_to_token_pool.req_to_token[rows, pos] = locs
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(len(reqs)):
-            return graphs.replay(
-                self._tensor(input_ids),
-                self._tensor(positions),
-                self._tensor(seq_lens),
-                self._tensor([r.req_pool_idx for r in reqs]),
-                out_cache_loc.to(self.device),
-            )
+            return graphs.replay(ids, pos, lens, rows, locs)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            out_cache_loc=out_cache_loc.to(self.device),
-            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
-            seq_lens=self._tensor(seq_lens),
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=locs,
+            req_pool_indices=rows,
+            seq_lens=lens,
             seq_lens_cpu=seq_lens,
         )
         return self._run(batch)

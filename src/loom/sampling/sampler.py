@@ -18,11 +18,12 @@ from loom.sampling.sampling_params import SamplingParams
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [bs, 1], 1.0 on greedy rows
-    top_ps: torch.Tensor  # [bs]
-    top_ks: torch.Tensor  # [bs] (vocab size when disabled)
-    min_ps: torch.Tensor  # [bs]
-    greedy: torch.Tensor  # [bs] bool
+    # Per-row tensors; None when every row is greedy (argmax needs none of them).
+    temperatures: torch.Tensor | None  # [bs, 1], 1.0 on greedy rows
+    top_ps: torch.Tensor | None  # [bs]
+    top_ks: torch.Tensor | None  # [bs] (vocab size when disabled)
+    min_ps: torch.Tensor | None  # [bs]
+    greedy: torch.Tensor | None  # [bs] bool
     is_all_greedy: bool
     need_top_p: bool
     need_top_k: bool
@@ -39,18 +40,18 @@ class SamplingBatchInfo:
         device: torch.device,
     ) -> SamplingBatchInfo:
         greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         processors: dict[str, list[int]] = {}
         for i, p in enumerate(params):
             if p.custom_logit_processor:
                 processors.setdefault(p.custom_logit_processor, []).append(i)
-        return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        bs = len(params)
+        info = cls(
+            temperatures=None,
+            top_ps=None,
+            top_ks=None,
+            min_ps=None,
+            greedy=None,
             is_all_greedy=all(greedy),
             need_top_p=any(p.top_p < 1.0 for p in params),
             need_top_k=any(k < vocab_size for k in top_ks),
@@ -62,6 +63,25 @@ class SamplingBatchInfo:
             ],
             processors=processors,
         )
+        if info.is_all_greedy:
+            return info  # argmax needs no per-row tensors: nothing to copy to the device
+        # One host-to-device copy for all per-row parameters.
+        rows = torch.tensor(
+            [
+                [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)],
+                [float(p.top_p) for p in params],
+                [float(k) for k in top_ks],
+                [float(p.min_p) for p in params],
+                [1.0 if g else 0.0 for g in greedy],
+            ],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        info.temperatures = rows[0].view(bs, 1)
+        info.top_ps = rows[1]
+        info.top_ks = rows[2].to(torch.int64)
+        info.min_ps = rows[3]
+        info.greedy = rows[4].bool()
+        return info
 
 
 def apply_logits_processors(

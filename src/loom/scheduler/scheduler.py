@@ -138,8 +138,11 @@ class Scheduler:
 
     # ---- KV bookkeeping -------------------------------------------------------------------
 
-    def _alloc_kv(self, req: Req, num_tokens: int) -> torch.Tensor | None:
-        """Slots for positions [kv_len, kv_len + num_tokens) of ``req``; None if out of pages."""
+    def _alloc_kv(self, req: Req, num_tokens: int, write: bool = True) -> list[int] | None:
+        """Slots for positions [kv_len, kv_len + num_tokens) of ``req``; None if out of pages.
+
+        With ``write`` they are also written into the request's row of the req-to-token table;
+        decode leaves that to the model runner, which writes the whole batch in one copy."""
         ps = self.page_size
         start, end = req.kv_len, req.kv_len + num_tokens
         need = -(-end // ps) - len(req.kv_pages)
@@ -148,11 +151,13 @@ class Scheduler:
             if pages is None:
                 return None
             req.kv_pages.extend(pages)
-        positions = torch.arange(start, end)
-        pages_t = torch.tensor(req.kv_pages, dtype=torch.int64)
-        locs = pages_t[positions // ps] * ps + positions % ps
-        table = self.req_to_token_pool.req_to_token
-        table[req.req_pool_idx, start:end] = locs.to(table.device)
+        pages = req.kv_pages
+        locs = [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        if write:
+            table = self.req_to_token_pool.req_to_token
+            table[req.req_pool_idx, start:end] = torch.tensor(locs, dtype=torch.int64).to(
+                table.device, non_blocking=True
+            )
         return locs
 
     def _release(self, req: Req) -> None:
@@ -281,12 +286,12 @@ class Scheduler:
         reqs = list(self.running)
         locs = []
         for req in reqs:
-            loc = self._alloc_kv(req, 1)
+            loc = self._alloc_kv(req, 1, write=False)
             assert loc is not None, "decode room was ensured"
-            locs.append(loc)
+            locs += loc
         input_ids = [req.output_ids[-1] for req in reqs]
         positions = [req.kv_len for req in reqs]
-        logits = self.runner.forward_decode(reqs, input_ids, positions, torch.cat(locs))
+        logits = self.runner.forward_decode(reqs, input_ids, positions, locs)
         for req in reqs:
             req.kv_len += 1
         tokens = self._sample(logits, reqs)
