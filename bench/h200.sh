@@ -23,3 +23,10 @@ bench smollm2-b1-hf    --model configs/smollm2-135m.json --num-prompts 2 --input
 bench llama8b-b1       --model configs/llama-3-8b.json --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
 bench llama8b-b1-eager --model configs/llama-3-8b.json --num-prompts 1 --input-len 128 --output-len 64 --max-running-requests 1 --disable-cuda-graph
 bench llama8b-b64      --model configs/llama-3-8b.json --num-prompts 64 --input-len 128 --output-len 256
+
+for bs in 1 64; do
+  $py -m loom.cli bench latency --model configs/llama-3-8b.json --load-format dummy \
+    --skip-tokenizer-init --batch-size $bs --input-len 128 --output-len 256 \
+    --result-file "$out/latency.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee "$out/latency-llama8b-b$bs.log"
+done
+$py bench/gpu_step_profile.py configs/llama-3-8b.json 1 2>&1 | tail -1 | tee "$out/step-profile.log"

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loom.layers.fused_ops import add_rmsnorm, use_fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add: ``forward(x, residual)`` returns
@@ -14,6 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_fused(x):
+            return add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

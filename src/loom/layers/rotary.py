@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.layers.fused_ops import rotary_inplace, use_fused
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -80,6 +82,9 @@ class RotaryEmbedding(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
+        if use_fused(q) and self.rotary_dim == self.head_dim:
+            rotary_inplace(q, k, cos, sin, self.head_dim)
+            return q, k
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 

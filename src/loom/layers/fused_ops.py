@@ -1,0 +1,166 @@
+"""Fused Triton kernels for the small per-layer ops of a decoder: residual-add + RMSNorm, rotary
+embedding (in place), SiLU-and-mul. On a GPU each replaces 2-16 separate kernels; inside a CUDA
+graph a kernel still costs ~2 us, which made these ops about a third of a Llama-3-8B decode step
+(measured in docs/benchmarks.md). Layers call them for CUDA tensors only; the plain-PyTorch
+paths in the layers are the reference they are tested against (on CPU under TRITON_INTERPRET=1).
+
+Arithmetic is done in fp32 and rounded once at the end, so in bf16 the results can differ from
+the PyTorch paths (which round after every op) by one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rmsnorm_kernel(
+        X,
+        R,
+        W,
+        Out,
+        ResOut,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_ro,
+        N,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (
+                x.to(tl.float32)
+                + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            ).to(x.dtype)
+            tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+        y = (h * rstd).to(x.dtype).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + row * stride_o + cols, (w * y).to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        Q,
+        K,
+        Cos,
+        Sin,
+        stride_q,
+        stride_k,
+        stride_c,
+        num_q_heads,
+        num_k_heads,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        cos = tl.load(Cos + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
+        for h in range(0, num_q_heads):
+            base = Q + t * stride_q + h * HEAD_DIM
+            x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(base + offs, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mask)
+            tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mask)
+        for h in range(0, num_k_heads):
+            base = K + t * stride_k + h * HEAD_DIM
+            x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(base + offs, (x1 * cos - x2 * sin).to(K.dtype.element_ty), mask=mask)
+            tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, D, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        col0 = tl.program_id(1) * BLOCK
+        cols = col0 + tl.arange(0, BLOCK)
+        mask = cols < D
+        g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(X + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+        out = g / (1.0 + tl.exp(-g)) * u
+        tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x + residual)`` and the new residual ``x + residual`` (or ``norm(x)``)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, n) if residual is not None else x2
+    _add_rmsnorm_kernel[(x2.shape[0],)](
+        x2,
+        r2,
+        weight,
+        out,
+        res_out,
+        x2.stride(0),
+        r2.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=triton.next_power_of_2(n),
+    )
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rotary_inplace(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> None:
+    """Rotate ``q [T, Hq * D]`` and ``k [T, Hk * D]`` in place (row strides may exceed the
+    width: they can be column slices of a fused qkv output). ``cos``/``sin`` are ``[T, D/2]``."""
+    half = head_dim // 2
+    cos = cos.reshape(cos.shape[0], -1)
+    sin = sin.reshape(sin.shape[0], -1)
+    _rotary_kernel[(q.shape[0],)](
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        k.stride(0),
+        cos.stride(0),
+        q.shape[1] // head_dim,
+        k.shape[1] // head_dim,
+        HEAD_DIM=head_dim,
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        x2, out, x2.stride(0), out.stride(0), d, BLOCK=block
+    )
+    return out.view(*x.shape[:-1], d)
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Fused kernels run on CUDA tensors; CPU keeps the plain PyTorch paths."""
+    return HAS_TRITON and x.is_cuda

@@ -1,0 +1,65 @@
+"""Fused Triton kernels against the layers' plain-PyTorch paths (CPU: Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.layers import fused_ops
+from loom.layers.activation import SiluAndMul
+from loom.layers.layernorm import RMSNorm
+from loom.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not fused_ops.HAS_TRITON, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm(dtype, with_residual):
+    torch.manual_seed(0)
+    weight = torch.randn(96, device=DEVICE).to(dtype)
+    x = torch.randn(7, 96, device=DEVICE, dtype=dtype)
+    r = torch.randn(7, 96, device=DEVICE, dtype=dtype) if with_residual else None
+    h = x + r if with_residual else x  # HF's order of operations, as RMSNorm's torch path
+    hf = h.float()
+    want = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = fused_ops.add_rmsnorm(x, r, weight, 1e-5)
+    if with_residual:
+        got, res = got
+        torch.testing.assert_close(res, h)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if not x.is_cuda:  # the layer's own path on CPU is the same formula
+        norm = RMSNorm(96, eps=1e-5).to(dtype)
+        norm.weight.data = weight
+        layer = norm(x, r)
+        torch.testing.assert_close((layer[0] if with_residual else layer), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_inplace_on_qkv_slices(dtype):
+    torch.manual_seed(0)
+    head_dim, hq, hk, t = 32, 4, 2, 9
+    rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0).to(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEVICE, dtype=dtype)
+    q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hk) * head_dim]
+    positions = torch.randint(0, 64, (t,), device=DEVICE)
+    cos, sin = rope.cos_sin(positions, dtype)
+    want_q, want_k = rope._rotate(q, cos, sin), rope._rotate(k, cos, sin)
+    v_before = qkv[:, (hq + hk) * head_dim :].clone()
+    fused_ops.rotary_inplace(q, k, cos, sin, head_dim)
+    torch.testing.assert_close(q.float(), want_q.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k.float(), want_k.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hk) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(5, 2 * 80, device=DEVICE, dtype=dtype)
+    d = 80
+    want = torch.nn.functional.silu(x[:, :d]) * x[:, d:]
+    got = fused_ops.silu_and_mul(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert isinstance(SiluAndMul()(x), torch.Tensor)
