@@ -92,7 +92,9 @@ def main() -> None:
         del hf
         free_memory()
         hf = hf_model(config_path, torch.bfloat16)
-        for b in ("triton", "flash_attention"):
+        # Noise floor: how often HF's own bf16 forward agrees with the exact (fp32) greedy path.
+        result["bf16_hf_top1_vs_fp32_greedy"] = top1_agreement(hf, prompts, fp32["torch_native"])
+        for b in ("torch_native", "triton", "flash_attention"):
             out = loom_generate(config_path, hf, b, "bfloat16", prompts)
             free_memory()
             result[f"bf16_top1_vs_hf_{b}"] = top1_agreement(hf, prompts, out)
