@@ -86,5 +86,25 @@ def engine():
         yield e
 
 
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def save_tiny_llama(path, seed: int = 0, **overrides) -> str:
+    """A tiny random HF Llama saved with save_pretrained (safetensors); returns the path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).eval().save_pretrained(path)
+    return str(path)
+
+
 def chat_ids(engine, prompt: str) -> list[int]:
     return engine.apply_chat_template([{"role": "user", "content": prompt}])

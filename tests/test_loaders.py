@@ -12,7 +12,7 @@ import torch
 import loom
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
-from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.conftest import CHAT_PROMPTS, TINY_LLAMA, chat_ids, save_tiny_llama
 from tests.test_llama_parity import _loom_logits
 
 
@@ -28,17 +28,6 @@ def test_safetensors_dir_gives_same_greedy_tokens(engine, hf_ref_dir):
             == "The capital of France is Paris."
         )
     assert got == want
-
-
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 @pytest.mark.parametrize(
@@ -63,14 +52,12 @@ TINY = dict(
     ids=["untied", "tied-bias-linear", "llama3"],
 )
 def test_tiny_random_llama_matches_hf(tmp_path, extra):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**TINY, **extra)
-    hf = LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path)
+    save_tiny_llama(tmp_path, **extra)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     runner = ModelRunner(ServerArgs(model=str(tmp_path), max_total_tokens=1024))
-    ids = torch.randint(0, TINY["vocab_size"], (150,)).tolist()
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (150,)).tolist()
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     for split in (None, len(ids) - 1, 100):
@@ -81,7 +68,7 @@ def test_tiny_random_llama_matches_hf(tmp_path, extra):
 def test_dummy_loader_from_config_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(
-        json.dumps({**TINY, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        json.dumps({**TINY_LLAMA, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
     )
     with loom.Engine(
         model=str(path), load_format="dummy", skip_tokenizer_init=True, max_total_tokens=1024

@@ -166,6 +166,10 @@ def test_n_choices(client):
         model="smollm2-135m-instruct", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=3
     )
     assert [c.index for c in resp.choices] == [0, 1, 2]
+    one = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=1
+    )
+    assert resp.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
     assert 3 <= resp.usage.completion_tokens <= 24
     assert len({c.message.content for c in resp.choices}) > 1  # seed + i per choice
 

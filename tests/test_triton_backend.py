@@ -7,29 +7,17 @@ import pytest
 import torch
 
 import loom
+from tests.conftest import save_tiny_llama
 
 pytest.importorskip("triton")
-
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-)  # wide logits: no near-ties for greedy to flip on
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-triton")
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(path)
-    return str(path)
+    # wide logits (initializer_range): no near-ties for greedy to flip on
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama-triton"), vocab_size=256, initializer_range=0.2
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "flash_attention"])

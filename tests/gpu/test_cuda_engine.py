@@ -11,6 +11,7 @@ import torch
 import loom
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
+from tests.conftest import save_tiny_llama
 from tests.test_llama_parity import _loom_logits
 
 pytestmark = pytest.mark.gpu
@@ -30,12 +31,7 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), **TINY)
 
 
 def test_cuda_logits_match_hf_fp32(tiny_dir):

@@ -192,10 +192,12 @@ def create_app(engine: Engine) -> FastAPI:
         task.result()
         return results
 
-    def usage(results: list[dict[str, Any]], prompt_lens: list[int]) -> dict[str, Any]:
-        completion = sum(r["meta_info"].get("completion_tokens", 0) for r in results)
-        prompt = sum(prompt_lens)
-        cached = sum(r["meta_info"].get("cached_tokens", 0) for r in results)
+    def usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        """OpenAI usage from each stream's last meta_info; streams are prompt-major with ``n``
+        choices per prompt, and a prompt is counted once however many choices it has."""
+        completion = sum(m.get("completion_tokens", 0) for m in metas)
+        prompt = sum(m.get("prompt_tokens", 0) for m in metas[::n])
+        cached = sum(m.get("cached_tokens", 0) for m in metas[::n])
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -255,7 +257,7 @@ def create_app(engine: Engine) -> FastAPI:
                     }
                     for i, r in enumerate(results)
                 ],
-                "usage": usage(results, [len(ids)] * req.n),
+                "usage": usage([r["meta_info"] for r in results], req.n),
             }
 
         async def events():
@@ -273,9 +275,9 @@ def create_app(engine: Engine) -> FastAPI:
                         ],
                     }
                 )
-            completion, cached = 0, 0
+            metas: list[dict[str, Any]] = [{} for _ in streams]
             async for i, inc in merged(streams):
-                meta = inc["meta_info"]
+                meta = metas[i] = inc["meta_info"]
                 reason = finish_reason(meta.get("finish_reason"))
                 if inc["text"]:
                     yield _sse(
@@ -291,25 +293,11 @@ def create_app(engine: Engine) -> FastAPI:
                         }
                     )
                 if reason is not None:
-                    completion += meta["completion_tokens"]
-                    cached += meta.get("cached_tokens", 0)
                     yield _sse(
                         {**chunk, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}
                     )
             if req.include_usage:
-                prompt = len(ids) * req.n
-                yield _sse(
-                    {
-                        **chunk,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": prompt,
-                            "completion_tokens": completion,
-                            "total_tokens": prompt + completion,
-                            "prompt_tokens_details": {"cached_tokens": cached},
-                        },
-                    }
-                )
+                yield _sse({**chunk, "choices": [], "usage": usage(metas, req.n)})
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -319,12 +307,11 @@ def create_app(engine: Engine) -> FastAPI:
         req, prompts = parse_completion(await _json_body(request))
         check_model(req.model)
         admit(req.n * len(prompts))
-        streams, prompt_lens = [], []
+        streams = []
         for p in prompts:
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             for i in range(req.n):
                 streams.append(await start(ids, text, choice_params(req.sampling, req.n, i)))
-            prompt_lens.append(len(engine.tokenizer_manager.encode(p)) if text else len(ids))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
         if not req.stream:
@@ -341,16 +328,15 @@ def create_app(engine: Engine) -> FastAPI:
                     }
                     for i, r in enumerate(results)
                 ],
-                "usage": usage(results, [n for n in prompt_lens for _ in range(req.n)]),
+                "usage": usage([r["meta_info"] for r in results], req.n),
             }
 
         async def events():
             chunk = {**base, "object": "text_completion"}
-            completion = 0
+            metas: list[dict[str, Any]] = [{} for _ in streams]
             async for i, inc in merged(streams):
+                metas[i] = inc["meta_info"]
                 reason = finish_reason(inc["meta_info"].get("finish_reason"))
-                if reason is not None:
-                    completion += inc["meta_info"]["completion_tokens"]
                 if inc["text"] or reason is not None:
                     yield _sse(
                         {
@@ -366,18 +352,7 @@ def create_app(engine: Engine) -> FastAPI:
                         }
                     )
             if req.include_usage:
-                prompt = sum(prompt_lens) * req.n
-                yield _sse(
-                    {
-                        **chunk,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": prompt,
-                            "completion_tokens": completion,
-                            "total_tokens": prompt + completion,
-                        },
-                    }
-                )
+                yield _sse({**chunk, "choices": [], "usage": usage(metas, req.n)})
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
