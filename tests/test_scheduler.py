@@ -139,3 +139,22 @@ def test_stop_token_ids_and_stop_strings(engine, prompts_ids, reference):
 def test_max_new_tokens_zero(engine, prompts_ids):
     out = engine.generate(input_ids=prompts_ids[0], sampling_params={"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""
+
+
+@pytest.mark.parametrize("tight_kv", [False, True], ids=["roomy", "retracting"])
+def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
+    # On CPU the device is synchronous, but the overlap code path (launch N+1 on N's tokens,
+    # resolve N afterwards, discard tokens past a finish) runs all the same.
+    total = max(len(i) for i in prompts_ids) * 3 + 64 if tight_kv else 8192
+    with loom.Engine(
+        max_total_tokens=total, schedule_conservativeness=0.0 if tight_kv else 1.0
+    ) as e:
+        e.scheduler.overlap = True
+        params = [{**PARAMS, "max_new_tokens": 48 - 5 * (i % 3)} for i in range(len(reference))]
+        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
+        for out, ref, p in zip(outs, reference, params, strict=True):
+            assert out["output_ids"] == ref[: p["max_new_tokens"]]
+        assert e.scheduler.stats.num_overlapped_batches > 30
+        if tight_kv:
+            assert e.scheduler.stats.num_retractions > 0
+        _assert_balanced(e)

@@ -157,6 +157,11 @@ class ServerArgs:
         ),
     )
 
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata=_arg("Do not prepare the next decode step while the GPU runs the current one."),
+    )
+
     # Logging
     log_level: str = field(
         default="warning",

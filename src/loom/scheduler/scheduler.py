@@ -49,10 +49,36 @@ class _ExtendItem:
 
 
 @dataclass
+class _InflightDecode:
+    """A launched decode step whose sampled tokens may still be on their way to the host."""
+
+    reqs: list[Req]
+    tokens: torch.Tensor  # [bs] on the device
+    host: torch.Tensor  # [bs] on the host, filled by a non-blocking copy
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, reqs: list[Req], tokens: torch.Tensor) -> _InflightDecode:
+        if tokens.device.type != "cuda":
+            return cls(reqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(reqs, tokens, host, event)
+
+    def host_tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
 class SchedulerStats:
     num_retractions: int = 0
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
+    num_overlapped_batches: int = 0  # decode steps launched before the previous one resolved
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
 
@@ -86,6 +112,9 @@ class Scheduler:
         )
         self.new_token_ratio = self.init_new_token_ratio
         self.stats = SchedulerStats()
+        # Overlap scheduling: on CUDA the host prepares step N+1 while the device runs step N.
+        self.overlap = runner.device.type == "cuda" and not server_args.disable_overlap_schedule
+        self._inflight: _InflightDecode | None = None
 
     # ---- intake ---------------------------------------------------------------------------
 
@@ -101,18 +130,41 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._aborts)
+        return bool(
+            self.waiting
+            or self.running
+            or self.chunked_req
+            or self._aborts
+            or self._inflight is not None
+        )
 
     # ---- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
-        outputs = self._apply_aborts()
+        outputs: list[ReqOutput] = []
+        if self._inflight is not None:
+            if self._can_chain():
+                # Overlap: launch decode N+1 on N's device-side tokens, then bring N's tokens to
+                # the host while the device works.
+                nxt = self._launch_decode(chained=True)
+                self.stats.num_overlapped_batches += 1
+                outputs += self._resolve(self._inflight)
+                self._inflight = nxt
+                return outputs
+            outputs += self._resolve(self._inflight)
+            self._inflight = None
+        outputs += self._apply_aborts()
         items = self._schedule_extend()
         if items:
             outputs += self._run_extend(items)
         elif self.running:
-            outputs += self._run_decode()
+            outputs += self._ensure_decode_room()
+            if self.running:
+                self._inflight = self._launch_decode(chained=False)
+                if not self.overlap:
+                    outputs += self._resolve(self._inflight)
+                    self._inflight = None
         return outputs
 
     # ---- aborts ---------------------------------------------------------------------------
@@ -277,11 +329,9 @@ class Scheduler:
 
     # ---- decode ---------------------------------------------------------------------------
 
-    def _run_decode(self) -> list[ReqOutput]:
-        outputs: list[ReqOutput] = []
-        outputs += self._ensure_decode_room()
-        if not self.running:
-            return outputs
+    def _launch_decode(self, chained: bool) -> _InflightDecode:
+        """Launch one decode step over ``running`` (room ensured). ``chained``: the previous
+        step is still in flight and its sampled tokens, still on the device, are the inputs."""
         self.stats.num_decode_batches += 1
         reqs = list(self.running)
         locs = []
@@ -289,17 +339,49 @@ class Scheduler:
             loc = self._alloc_kv(req, 1, write=False)
             assert loc is not None, "decode room was ensured"
             locs += loc
-        input_ids = [req.output_ids[-1] for req in reqs]
         positions = [req.kv_len for req in reqs]
-        logits = self.runner.forward_decode(reqs, input_ids, positions, locs)
+        if chained:
+            logits = self.runner.forward_decode(
+                reqs, None, positions, locs, input_ids_dev=self._inflight.tokens
+            )
+        else:
+            input_ids = [req.output_ids[-1] for req in reqs]
+            logits = self.runner.forward_decode(reqs, input_ids, positions, locs)
         for req in reqs:
             req.kv_len += 1
-        tokens = self._sample(logits, reqs)
-        for req, tok in zip(reqs, tokens, strict=True):
+        tokens = self._sample_device(logits, reqs, pending=1 if chained else 0)
+        return _InflightDecode.start(reqs, tokens)
+
+    def _resolve(self, inflight: _InflightDecode) -> list[ReqOutput]:
+        """Wait for a launched decode step's tokens and apply them."""
+        outputs = []
+        for req, tok in zip(inflight.reqs, inflight.host_tokens(), strict=True):
+            if req.is_finished:  # finished by the step before (overlap ran one step past it)
+                continue
             outputs.append(self._append_token(req, tok))
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
         return outputs
+
+    def _can_chain(self) -> bool:
+        """Whether the next step can be launched before the in-flight one is resolved: nothing
+        but the same decode batch would run, and no request can finish by length on the
+        in-flight token (so the chained step never writes past a limit)."""
+        inflight = self._inflight
+        if self._aborts or self.waiting or self.chunked_req is not None:
+            return False
+        if len(self.running) != len(inflight.reqs) or any(
+            a is not b for a, b in zip(self.running, inflight.reqs, strict=True)
+        ):
+            return False
+        for req in self.running:
+            p = req.sampling_params
+            if p.custom_logit_processor or len(req.output_ids) + 2 > p.max_new_tokens:
+                return False
+            if req.seq_len + 2 >= self.context_len:
+                return False
+        need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
+        return need <= self.allocator.num_free
 
     def _ensure_decode_room(self) -> list[ReqOutput]:
         outputs = []
@@ -331,13 +413,20 @@ class Scheduler:
     # ---- sampling and finishing -----------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        return self._sample_device(logits, reqs).tolist()
+
+    def _sample_device(
+        self, logits: torch.Tensor, reqs: list[Req], pending: int = 0
+    ) -> torch.Tensor:
+        """Sampled ids on the device; ``pending`` tokens per request are sampled but not yet
+        appended (overlap), which shifts seeded rows' output positions."""
         params = [r.sampling_params for r in reqs]
         info = SamplingBatchInfo.build(
-            params, [len(r.output_ids) for r in reqs], logits.shape[-1], logits.device
+            params, [len(r.output_ids) + pending for r in reqs], logits.shape[-1], logits.device
         )
         if info.processors:
             logits = apply_logits_processors(logits, info, params, [r.fill_ids for r in reqs])
-        return sample(logits, info).tolist()
+        return sample(logits, info)
 
     def _append_token(self, req: Req, token: int) -> ReqOutput:
         req.output_ids.append(token)
