@@ -19,6 +19,12 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "radix_eviction_policy": {
         "lru": "loom.mem_cache.eviction:LRUPolicy",
+        "lfu": "loom.mem_cache.eviction:LFUPolicy",
+        "fifo": "loom.mem_cache.eviction:FIFOPolicy",
+        "mru": "loom.mem_cache.eviction:MRUPolicy",
+        "filo": "loom.mem_cache.eviction:FILOPolicy",
+        "priority": "loom.mem_cache.eviction:PriorityPolicy",
+        "slru": "loom.mem_cache.eviction:SLRUPolicy",
     },
     "schedule_policy": {
         "fcfs": "loom.scheduler.policy:FCFSPolicy",

@@ -1,0 +1,288 @@
+"""A radix tree over KV slots: the prefix cache (RadixAttention).
+
+Each edge holds a run of token ids (``key``) and the KV slots that hold their K/V (``value``).
+Keys are namespaced by an ``extra_key`` (LoRA adapter, ``cache_salt``): different namespaces
+never share a node. With ``page_size`` > 1 only whole pages are cached, and edges split on page
+boundaries only.
+
+Invariants (checked by ``check``):
+- every node but the root has a non-empty key, ``len(key) == len(value)``, and its key's first
+  page is its parent's child key;
+- ``lock_ref`` of a node counts the requests whose matched path runs through it; a node with
+  ``lock_ref > 0`` is never evicted; the root is always locked;
+- ``total_size == evictable_size + protected_size`` where protected tokens are those on locked
+  nodes;
+- every slot is in the tree at most once; slots leave only through ``evict`` (given back through
+  ``free_slots``) or ``reset``.
+
+Not wired into the scheduler yet: issue 5 integrates it (admission by matched prefix, insert on
+finish and after chunks, eviction when the allocator runs dry, cache-aware policies).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from loom.mem_cache.eviction import RadixEvictionPolicy
+
+
+class TreeNode:
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "value",
+        "lock_ref",
+        "creation_time",
+        "last_access_time",
+        "hit_count",
+        "priority",
+        "extra_key",
+        "id",
+    )
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        parent: TreeNode | None = None,
+        key: tuple[int, ...] = (),
+        value: list[int] | None = None,
+        extra_key: Hashable = None,
+        now: float = 0.0,
+    ) -> None:
+        self.children: dict[Hashable, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value or []
+        self.lock_ref = 0
+        self.creation_time = now
+        self.last_access_time = now
+        self.hit_count = 0
+        self.priority = 0
+        self.extra_key = extra_key
+        self.id = next(TreeNode._ids)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"TreeNode(key={self.key}, lock={self.lock_ref}, hits={self.hit_count})"
+
+
+class RadixCache:
+    def __init__(
+        self,
+        free_slots: Callable[[list[int]], None],
+        policy: RadixEvictionPolicy,
+        page_size: int = 1,
+    ) -> None:
+        self.free_slots = free_slots
+        self.policy = policy
+        self.page_size = page_size
+        self._clock = 0.0  # logical time: one tick per operation, deterministic
+        self.reset()
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.root = TreeNode()
+        self.root.lock_ref = 1
+        self.evictable_size = 0
+        self.protected_size = 0
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    def _tick(self) -> float:
+        self._clock += 1.0
+        return self._clock
+
+    def _child_key(self, key: tuple[int, ...], extra_key: Hashable, node: TreeNode) -> Hashable:
+        first = key[: self.page_size]
+        return (extra_key, first) if node is self.root else first
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _common(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        return self._aligned(n)
+
+    def _touch(self, node: TreeNode, now: float, hit: bool) -> None:
+        node.last_access_time = now
+        if hit:
+            node.hit_count += 1
+        self.policy.on_access(node)
+
+    # ---- lookups and inserts --------------------------------------------------------------
+
+    def match_prefix(
+        self, key: list[int], extra_key: Hashable = None
+    ) -> tuple[list[int], TreeNode]:
+        """The slots of the longest cached page-aligned prefix of ``key`` and the last node of
+        the match (split so that it ends exactly there). Counts a hit on every node used."""
+        now = self._tick()
+        key_t = tuple(key[: self._aligned(len(key))])
+        node, slots = self.root, []
+        while key_t:
+            child = node.children.get(self._child_key(key_t, extra_key, node))
+            if child is None:
+                break
+            n = self._common(child.key, key_t)
+            if n < len(child.key):
+                if n == 0:
+                    break
+                child = self._split(child, n, now)
+            self._touch(child, now, hit=True)
+            slots += child.value
+            node, key_t = child, key_t[n:]
+        return slots, node
+
+    def insert(
+        self, key: list[int], value: list[int], extra_key: Hashable = None, priority: int = 0
+    ) -> int:
+        """Cache ``value`` (slots) for ``key``; returns how many leading tokens were already
+        cached. Those duplicate slots stay the caller's to free; the rest now belong to the
+        tree. Only the page-aligned part is inserted (the caller keeps the tail's slots)."""
+        if len(key) != len(value):
+            raise ValueError(f"key and value differ in length: {len(key)} vs {len(value)}")
+        now = self._tick()
+        n_aligned = self._aligned(len(key))
+        key_t, value = tuple(key[:n_aligned]), list(value[:n_aligned])
+        node, done = self.root, 0
+        while key_t:
+            ck = self._child_key(key_t, extra_key, node)
+            child = node.children.get(ck)
+            if child is None:
+                new = TreeNode(node, key_t, value, extra_key, now)
+                new.priority = priority
+                node.children[ck] = new
+                self.evictable_size += len(key_t)
+                self.policy.on_insert(new)
+                node = new
+                break
+            n = self._common(child.key, key_t)
+            if n < len(child.key):
+                child = self._split(child, n, now)
+            self._touch(child, now, hit=False)
+            child.priority = max(child.priority, priority)
+            done += n
+            node, key_t, value = child, key_t[n:], value[n:]
+        # A node's priority is the max over the requests that used its subtree.
+        while node.parent is not None and node.parent is not self.root:
+            node.parent.priority = max(node.parent.priority, node.priority)
+            node = node.parent
+        return done
+
+    def _split(self, child: TreeNode, n: int, now: float) -> TreeNode:
+        """Split ``child`` after ``n`` tokens; returns the new upper node."""
+        parent = child.parent
+        upper = TreeNode(parent, child.key[:n], child.value[:n], child.extra_key, now)
+        upper.lock_ref = child.lock_ref
+        upper.hit_count = child.hit_count
+        upper.last_access_time = child.last_access_time
+        upper.creation_time = child.creation_time
+        upper.priority = child.priority
+        parent.children[self._child_key(child.key, child.extra_key, parent)] = upper
+        child.parent = upper
+        child.key, child.value = child.key[n:], child.value[n:]
+        upper.children[self._child_key(child.key, child.extra_key, upper)] = child
+        self.policy.on_insert(upper)
+        return upper
+
+    # ---- locking --------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Pin the path root..node (a running request uses it)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            if node.lock_ref <= 0:
+                raise AssertionError(f"unbalanced dec_lock_ref on {node}")
+            node.lock_ref -= 1
+            node = node.parent
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def _evictable_leaves(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root and node.is_leaf and node.lock_ref == 0:
+                out.append(node)
+        return out
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, smallest policy key first
+        (ties: older node first). Returns the number freed (less if not enough is evictable).
+        ``evict(0)`` does nothing."""
+        heap: list[tuple[Any, int, TreeNode]] = [
+            (self.policy.key(n), n.id, n) for n in self._evictable_leaves()
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            self.free_slots(list(node.value))
+            freed += len(node.value)
+            self.evictable_size -= len(node.key)
+            parent = node.parent
+            del parent.children[self._child_key(node.key, node.extra_key, parent)]
+            self.policy.on_remove(node)
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+        return freed
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def all_slots(self) -> list[int]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out += node.value
+            stack.extend(node.children.values())
+        return out
+
+    def check(self) -> None:
+        evictable = protected = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for ck, child in node.children.items():
+                assert child.parent is node, "broken parent link"
+                assert child.key and len(child.key) == len(child.value), "bad edge"
+                assert ck == self._child_key(child.key, child.extra_key, node), "bad child key"
+                assert len(child.key) % self.page_size == 0, "edge not page-aligned"
+                if child.lock_ref > 0:
+                    protected += len(child.key)
+                else:
+                    evictable += len(child.key)
+                    assert all(c.lock_ref == 0 for c in child.children.values()), (
+                        "a locked node under an unlocked one"
+                    )
+                stack.append(child)
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
+            "sizes do not add up"
+        )
+        slots = self.all_slots()
+        assert len(slots) == len(set(slots)), "a slot is in the tree twice"
