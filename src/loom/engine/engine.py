@@ -311,7 +311,7 @@ class Engine:
         delta = ""
         if st.detok is not None:
             delta = st.detok.add(new_ids, final=finished is not None)
-            hit = self._find_stop(st)
+            hit = self._find_stop(st, len(delta)) if delta and st.params.stop else None
             if hit is not None:
                 stop, cut = hit
                 trimmed = len(st.detok.text) - cut
@@ -339,11 +339,13 @@ class Engine:
         return {"text": delta, "output_ids": new_ids, "meta_info": meta}
 
     @staticmethod
-    def _find_stop(st: _ReqState) -> tuple[str, int] | None:
+    def _find_stop(st: _ReqState, new_chars: int) -> tuple[str, int] | None:
+        """The earliest stop string that the newest ``new_chars`` characters completed (only
+        the text's tail is searched, so a long output costs no quadratic rescans)."""
         text = st.detok.text
         best = None
         for s in st.params.stop:
-            i = text.find(s)
+            i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
             if i != -1 and (best is None or i < best[1]):
                 best = (s, i)
         return best
