@@ -274,15 +274,13 @@ class Scheduler:
                 break
             remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
             need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
-            if need > free_pages:
-                if (
-                    not self.running
-                    and not items
-                    and self.allocator.num_free >= self._pages_for(req.seq_len + 1)
-                ):
-                    pass  # nothing else runs: admit it; retraction/abort handles overflow
-                else:
-                    break
+            # Alone, a request needs only its prompt plus one token of room: if it later
+            # outgrows the pool it is aborted with a clear message rather than starved.
+            alone = not self.running and not items
+            if need > free_pages and not (
+                alone and self.allocator.num_free >= self._pages_for(req.seq_len + 1)
+            ):
+                break
             req.req_pool_idx = self.req_to_token_pool.alloc()
             n = int(min(req.seq_len, self.chunk_size, budget))
             if self._alloc_kv(req, n) is None:
