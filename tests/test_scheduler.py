@@ -136,6 +136,17 @@ def test_stop_token_ids_and_stop_strings(engine, prompts_ids, reference):
     _assert_balanced(engine)
 
 
+def test_stream_holds_back_a_stop_string_spanning_tokens(engine, prompts_ids):
+    # "... France is Paris.": the stop "ce is" starts inside the token " France", so the stream
+    # must hold "ce" back until it knows whether the stop string completes.
+    params = {"temperature": 0, "stop": ["ce is"], "max_new_tokens": 32}
+    full = engine.generate(input_ids=prompts_ids[0], sampling_params=params)
+    parts = list(engine.generate(input_ids=prompts_ids[0], sampling_params=params, stream=True))
+    assert full["text"] == "The capital of Fran"
+    assert "".join(p["text"] for p in parts) == full["text"]
+    assert parts[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "ce is"}
+
+
 def test_max_new_tokens_zero(engine, prompts_ids):
     out = engine.generate(input_ids=prompts_ids[0], sampling_params={"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""

@@ -45,6 +45,7 @@ class _ReqState:
     first_token_time: float | None = None  # stamped on the backend's thread
     last_token_time: float | None = None
     finish_time: float | None = None
+    emitted: int = 0  # characters of the detokenized text already handed to the caller
 
 
 class Engine:
@@ -310,17 +311,23 @@ class Engine:
         finished = out.finished_reason
         delta = ""
         if st.detok is not None:
-            delta = st.detok.add(new_ids, final=finished is not None)
-            hit = self._find_stop(st, len(delta)) if delta and st.params.stop else None
+            added = st.detok.add(new_ids, final=finished is not None)
+            hit = self._find_stop(st, len(added)) if added and st.params.stop else None
             if hit is not None:
                 stop, cut = hit
-                trimmed = len(st.detok.text) - cut
-                delta = delta[: len(delta) - trimmed] if trimmed <= len(delta) else ""
                 st.detok.text = st.detok.text[:cut]
                 if finished is None or finished.get("type") != "stop":
                     finished = {"type": "stop", "matched": stop}
                 if out.finished_reason is None:
                     self.abort_request(st.rid)
+            # Stream only text that cannot turn out to be the start of a stop string.
+            text = st.detok.text
+            end = (
+                len(text)
+                if finished is not None
+                else len(text) - _partial_stop(text, st.params.stop)
+            )
+            delta, st.emitted = text[st.emitted : end], max(st.emitted, end)
         if finished is not None:
             st.finished = True
             with self._states_lock:
@@ -458,6 +465,17 @@ class Engine:
             self._stopped.set()
             with contextlib.suppress(Exception):
                 backend.shutdown()
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 class _SyncStream:
