@@ -4,6 +4,7 @@ aborts; streaming."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -27,9 +28,12 @@ def reference(engine, prompts_ids):
 
 
 def _assert_balanced(e) -> None:
+    """Idle: every page is free or held by the radix cache, and nothing is locked."""
     sched = e.scheduler
     sched.check_kv_balance()
-    assert sched.allocator.num_free == sched.allocator.num_pages
+    cached = sched.tree.total_size // sched.page_size if sched.tree is not None else 0
+    assert sched.allocator.num_free + cached == sched.allocator.num_pages
+    assert sched.tree is None or sched.tree.protected_size == 0
     assert sched.req_to_token_pool.num_free == sched.req_to_token_pool.size
 
 
@@ -147,6 +151,38 @@ def test_stream_holds_back_a_stop_string_spanning_tokens(engine, prompts_ids):
     assert parts[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "ce is"}
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefix_cache_reuses_kv_with_the_same_output(prompts_ids, reference, page_size):
+    with loom.Engine(max_total_tokens=8192, page_size=page_size) as e:
+        first = e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS)
+        again = e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS)
+        assert first["meta_info"]["cached_tokens"] == 0
+        # the whole prompt but its last token (at least one token is always computed)
+        n = len(prompts_ids[0]) - 1
+        assert again["meta_info"]["cached_tokens"] == n - n % page_size
+        assert first["output_ids"] == again["output_ids"] == reference[0]
+        # other chat prompts share the template's system prompt
+        outs = e.generate(input_ids=prompts_ids[1:], sampling_params=PARAMS)
+        assert all(o["meta_info"]["cached_tokens"] > 20 for o in outs)
+        assert [o["output_ids"] for o in outs] == reference[1:]
+        _assert_balanced(e)
+        assert e.scheduler.tree.total_size > 0
+        e.flush_cache()
+        for _ in range(100):
+            if e.scheduler.tree.total_size == 0:
+                break
+            time.sleep(0.05)
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
+
+
+def test_disable_radix_cache(prompts_ids, reference):
+    with loom.Engine(max_total_tokens=4096, disable_radix_cache=True) as e:
+        outs = [e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS) for _ in range(2)]
+        assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
+        assert outs[1]["output_ids"] == reference[0]
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
+
+
 def test_max_new_tokens_zero(engine, prompts_ids):
     out = engine.generate(input_ids=prompts_ids[0], sampling_params={"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""
@@ -165,7 +201,7 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
         outs = e.generate(input_ids=prompts_ids, sampling_params=params)
         for out, ref, p in zip(outs, reference, params, strict=True):
             assert out["output_ids"] == ref[: p["max_new_tokens"]]
-        assert e.scheduler.stats.num_overlapped_batches > 30
+        assert e.scheduler.stats.num_overlapped_batches > 10  # the chained path ran
         if tight_kv:
             assert e.scheduler.stats.num_retractions > 0
         _assert_balanced(e)

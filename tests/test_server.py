@@ -114,7 +114,8 @@ def client(server):
 def _kv_balanced(server) -> bool:
     for _ in range(50):
         info = httpx.get(server.url + "/server_info").json()
-        if info["kv_free_pages"] == info["kv_total_pages"] and info["num_running_reqs"] == 0:
+        free, cached = info["kv_free_pages"], info["kv_cached_pages"]
+        if free + cached == info["kv_total_pages"] and info["num_running_reqs"] == 0:
             return True
         time.sleep(0.1)
     return False
@@ -136,7 +137,8 @@ def test_chat_greedy_equals_engine(client, engine):
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
     assert resp.usage.completion_tokens == want["meta_info"]["completion_tokens"]
-    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    # (the chat template's system prompt may already be cached from an earlier request)
+    assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
 
 
 def test_chat_stream_equals_non_stream(client):

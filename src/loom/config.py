@@ -115,6 +115,10 @@ class ServerArgs:
         default="lru", metadata=_arg("Radix-cache eviction policy.", family="radix_eviction_policy")
     )
 
+    disable_radix_cache: bool = field(
+        default=False, metadata=_arg("Do not share KV between requests with a common prefix.")
+    )
+
     # Kernels
     attention_backend: str = field(
         default="auto",

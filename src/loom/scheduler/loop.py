@@ -35,6 +35,10 @@ def scheduler_stats(sched: Scheduler) -> dict[str, Any]:
         "num_running_reqs": len(sched.running) + (1 if sched.chunked_req else 0),
         "num_queued_reqs": len(sched.waiting),
         "kv_used_tokens": used,
+        "kv_cached_tokens": sched.tree.total_size if sched.tree is not None else 0,
+        "kv_cached_pages": (
+            sched.tree.total_size // alloc.page_size if sched.tree is not None else 0
+        ),
         "kv_total_tokens": alloc.num_pages * alloc.page_size,
         "kv_free_pages": alloc.num_free,
         "kv_total_pages": alloc.num_pages,
@@ -64,7 +68,8 @@ def run_scheduler_loop(
             elif kind == "abort":
                 sched.abort(payload)
             elif kind == "flush_cache":
-                pass  # no prefix cache yet: nothing to flush
+                if not sched.flush_cache():
+                    logger.warning("flush_cache ignored: requests are running")
             elif kind == "shutdown":
                 stop = True
             else:

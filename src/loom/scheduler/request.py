@@ -20,6 +20,10 @@ class Req:
         # KV state: positions [0, kv_len) are cached in pages ``kv_pages`` (row req_pool_idx).
         self.req_pool_idx: int | None = None
         self.kv_pages: list[int] = []
+        # The first ``num_shared_pages`` of kv_pages belong to the radix cache (a matched prefix,
+        # locked through ``prefix_node`` while the request runs); the rest are the request's own.
+        self.num_shared_pages = 0
+        self.prefix_node = None
         self.kv_len = 0
         self.cached_tokens = 0  # prompt tokens served from a prefix cache
         self.num_retractions = 0

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom import plugins
+from loom.mem_cache.radix_cache import RadixCache
 from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
 from loom.scheduler.request import Req, ReqOutput
 
@@ -114,6 +115,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         # Overlap scheduling: on CUDA the host prepares step N+1 while the device runs step N.
         self.overlap = runner.device.type == "cuda" and not server_args.disable_overlap_schedule
+        # The radix prefix cache: finished requests leave their KV in it; new ones match it.
+        self.tree: RadixCache | None = None
+        if not server_args.disable_radix_cache:
+            policy = plugins.resolve("radix_eviction_policy", server_args.radix_eviction_policy)
+            self.tree = RadixCache(self._free_tree_slots, policy(), self.page_size)
         self._inflight: _InflightDecode | None = None
 
     # ---- intake ---------------------------------------------------------------------------
@@ -199,7 +205,7 @@ class Scheduler:
         start, end = req.kv_len, req.kv_len + num_tokens
         need = -(-end // ps) - len(req.kv_pages)
         if need > 0:
-            pages = self.allocator.alloc(need)
+            pages = self._alloc_pages(need)
             if pages is None:
                 return None
             req.kv_pages.extend(pages)
@@ -212,14 +218,57 @@ class Scheduler:
             )
         return locs
 
-    def _release(self, req: Req) -> None:
-        if req.kv_pages:
-            self.allocator.free(req.kv_pages)
-            req.kv_pages = []
+    def _release(self, req: Req, cache: bool = False) -> None:
+        """Give back the request's KV. With ``cache`` (and a radix cache), its computed KV is
+        inserted into the tree, which takes the pages it did not already hold; every other own
+        page returns to the allocator. The matched prefix is unlocked."""
+        ps = self.page_size
+        own = req.kv_pages[req.num_shared_pages :]
+        first_own = req.num_shared_pages  # page index of own[0] within the request
+        if own and self.tree is not None and cache and req.req_pool_idx is not None:
+            n = req.kv_len - req.kv_len % ps
+            if n > 0:
+                table = self.req_to_token_pool.req_to_token
+                slots = table[req.req_pool_idx, :n].tolist()
+                done = self.tree.insert(req.fill_ids[:n], slots)
+                # Pages in [0, done) were already cached (ours are duplicates); pages in
+                # [done, n) now belong to the tree; pages past n (a partial page) are freed.
+                keep = {i for i in range(done // ps, n // ps)}
+                self.allocator.free([p for i, p in enumerate(own, first_own) if i not in keep])
+                own = []
+        if own:
+            self.allocator.free(own)
+        if req.prefix_node is not None:
+            self.tree.dec_lock_ref(req.prefix_node)
+            req.prefix_node = None
+        req.kv_pages = []
+        req.num_shared_pages = 0
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
+
+    def _free_tree_slots(self, slots: list[int]) -> None:
+        ps = self.page_size
+        self.allocator.free(sorted({s // ps for s in slots}))
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        """``n`` pages, evicting unlocked radix-cache leaves if the allocator runs short."""
+        if n > self.allocator.num_free and self.tree is not None:
+            self.tree.evict((n - self.allocator.num_free) * self.page_size)
+        return self.allocator.alloc(n)
+
+    def _evictable_pages(self) -> int:
+        return self.tree.evictable_size // self.page_size if self.tree is not None else 0
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; only when idle (running requests may hold matched paths)."""
+        if self.tree is None:
+            return True
+        if self.running or self.waiting or self.chunked_req or self._inflight is not None:
+            return False
+        self.tree.evict(self.tree.total_size)
+        return True
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -238,7 +287,9 @@ class Scheduler:
         owners = (
             self.running + list(self.waiting) + ([self.chunked_req] if self.chunked_req else [])
         )
-        owned = sum(len(r.kv_pages) for r in owners)
+        owned = sum(len(r.kv_pages) - r.num_shared_pages for r in owners)
+        if self.tree is not None:
+            owned += self.tree.total_size // self.page_size
         free = self.allocator.num_free
         if free + owned != self.allocator.num_pages:
             raise AssertionError(
@@ -265,36 +316,64 @@ class Scheduler:
         if not self.waiting:
             return items
         ordered = self.policy.order(list(self.waiting))
-        free_pages = self.allocator.num_free - self._reserved_pages()
+        free_pages = self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
         num_active = len(self.running) + len(items)
         for req in ordered:
             if budget <= 0 or num_active >= self.max_running:
                 break
             if self.req_to_token_pool.num_free == 0:
                 break
+            slots, node = self._match(req)
             remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
             need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
+            need -= len(slots) // self.page_size  # the matched prefix is already in the cache
             # Alone, a request needs only its prompt plus one token of room: if it later
             # outgrows the pool it is aborted with a clear message rather than starved.
             alone = not self.running and not items
+            room = self.allocator.num_free + self._evictable_pages()
             if need > free_pages and not (
-                alone and self.allocator.num_free >= self._pages_for(req.seq_len + 1)
+                alone and room >= self._pages_for(req.seq_len + 1 - len(slots))
             ):
                 break
             req.req_pool_idx = self.req_to_token_pool.alloc()
-            n = int(min(req.seq_len, self.chunk_size, budget))
+            evictable_before = self._evictable_pages()
+            self._use_prefix(req, slots, node)
+            locked = evictable_before - self._evictable_pages()
+            n = int(min(req.seq_len - req.kv_len, self.chunk_size, budget))
             if self._alloc_kv(req, n) is None:
                 self._release(req)
                 break
             self.waiting.remove(req)
-            free_pages -= need
+            free_pages -= need + locked
             budget -= n
             num_active += 1
-            items.append(_ExtendItem(req, 0, n))
-            if n < req.seq_len:
+            items.append(_ExtendItem(req, req.kv_len, n))
+            if req.kv_len + n < req.seq_len:
                 self.chunked_req = req
                 break
         return items
+
+    def _match(self, req: Req) -> tuple[list[int], object]:
+        """The cached prefix of the request's tokens, leaving at least one token to compute."""
+        if self.tree is None:
+            return [], None
+        return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+
+    def _use_prefix(self, req: Req, slots: list[int], node) -> None:
+        """Start the request on a matched prefix: lock it and point its table row at it."""
+        req.cached_tokens = len(slots)
+        if not slots:
+            return
+        ps = self.page_size
+        self.tree.inc_lock_ref(node)
+        req.prefix_node = node
+        req.kv_pages = [s // ps for s in slots[::ps]]
+        req.num_shared_pages = len(req.kv_pages)
+        req.kv_len = len(slots)
+        table = self.req_to_token_pool.req_to_token
+        table[req.req_pool_idx, : len(slots)] = torch.tensor(slots, dtype=torch.int64).to(
+            table.device, non_blocking=True
+        )
 
     def _run_extend(self, items: list[_ExtendItem]) -> list[ReqOutput]:
         self.stats.num_prefill_batches += 1
@@ -388,6 +467,10 @@ class Scheduler:
             return sum(1 for r in self.running if r.kv_len % self.page_size == 0)
 
         while self.running and pages_needed() > self.allocator.num_free:
+            # First evict cached prefixes nobody is using; retract only if that is not enough.
+            if self._evictable_pages() > 0:
+                self.tree.evict((pages_needed() - self.allocator.num_free) * self.page_size)
+                continue
             if len(self.running) == 1:
                 req = self.running.pop()
                 logger.error("KV pool too small for request %s", req.rid)
@@ -400,7 +483,7 @@ class Scheduler:
             # Retract the request that has done the least work (fewest outputs, longest prompt).
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.running.remove(victim)
-            self._release(victim)
+            self._release(victim, cache=True)  # its KV stays reusable until evicted
             victim.num_retractions += 1
             self.stats.num_retractions += 1
             self.waiting.appendleft(victim)
@@ -437,7 +520,7 @@ class Scheduler:
         elif req.seq_len >= self.context_len:
             req.finished_reason = {"type": "length", "length": len(req.output_ids)}
         if req.is_finished:
-            self._release(req)
+            self._release(req, cache=True)
         return self._output(req, [token])
 
     def _output(self, req: Req, tokens: list[int]) -> ReqOutput:

@@ -461,7 +461,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def flush_cache():
         engine.flush_cache()
         return Response(
-            "Cache flushed (Loom has no prefix cache yet, so nothing was held).\n", status_code=200
+            "Cache flush requested (done when no request is running).\n", status_code=200
         )
 
     @app.post("/abort_request")
