@@ -69,8 +69,10 @@ def test_cuda_engine_greedy_equals_hf(tiny_dir):
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
     for ids, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
+            # An explicit mask: else HF masks every prompt token equal to pad_token_id.
             ref = hf.generate(
                 torch.tensor([ids], device="cuda"),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
                 max_new_tokens=24,
                 min_new_tokens=24,
                 do_sample=False,
