@@ -101,6 +101,17 @@ def test_victim_order(policy):
     assert order == EXPECTED[policy]
 
 
+def test_slru_threshold_flag_reaches_the_policy():
+    import loom
+
+    with loom.Engine(
+        max_total_tokens=1024, radix_eviction_policy="slru", slru_protected_threshold=5
+    ) as e:
+        assert e.scheduler.tree.policy.protected_threshold == 5
+        out = e.generate("Hello", {"max_new_tokens": 2, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 2
+
+
 def test_every_builtin_policy_has_an_expected_order():
     builtin = {e.name for e in plugins.entries("radix_eviction_policy") if e.origin == "built-in"}
     assert builtin == set(EXPECTED)

@@ -115,6 +115,12 @@ class ServerArgs:
         default="lru", metadata=_arg("Radix-cache eviction policy.", family="radix_eviction_policy")
     )
 
+    slru_protected_threshold: int = field(
+        default=2,
+        metadata=_arg(
+            "slru eviction: hits after which a cached prefix moves to the protected segment."
+        ),
+    )
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("Do not share KV between requests with a common prefix.")
     )

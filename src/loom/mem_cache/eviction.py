@@ -26,6 +26,8 @@ class RadixEvictionPolicy(ABC):
     """Orders evictable leaves. Smallest key is evicted first."""
 
     def __init__(self, **options: Any) -> None:
+        """``options`` come from server flags (e.g. ``protected_threshold`` for slru); a policy
+        ignores the ones it does not use."""
         self.options = options
 
     @abstractmethod

@@ -119,7 +119,9 @@ class Scheduler:
         self.tree: RadixCache | None = None
         if not server_args.disable_radix_cache:
             policy = plugins.resolve("radix_eviction_policy", server_args.radix_eviction_policy)
-            self.tree = RadixCache(self._free_tree_slots, policy(), self.page_size)
+            # Every policy takes keyword options; those it does not use are ignored.
+            options = {"protected_threshold": server_args.slru_protected_threshold}
+            self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
         self._inflight: _InflightDecode | None = None
 
     # ---- intake ---------------------------------------------------------------------------
