@@ -10,6 +10,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "torch_native": "loom.layers.attention.torch_native:TorchNativeAttnBackend",
         "triton": "loom.layers.attention.triton_backend:TritonAttnBackend",
         "flash_attention": "loom.layers.attention.flash_attention_backend:FlashAttentionBackend",
+        "flashinfer": "loom.layers.attention.flashinfer_backend:FlashInferAttnBackend",
     },
     "model_loader": {
         "auto": "loom.model_loader.loaders:AutoLoader",
@@ -39,6 +40,7 @@ REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model_loader", "gguf"): ("gguf",),
     ("attention_backend", "triton"): ("triton",),
     ("attention_backend", "flash_attention"): ("triton",),
+    ("attention_backend", "flashinfer"): ("flashinfer",),
 }
 
 

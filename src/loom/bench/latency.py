@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -78,6 +79,8 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
                             "dtype": info["dtype"],
                             "attention_backend": info["attention_backend"],
                             "model": info["model"],
+                            "cuda_graphs": info.get("cuda_graphs"),
+                            "gemv": os.environ.get("LOOM_GEMV", "cublas"),
                             **best,
                         }
                     )

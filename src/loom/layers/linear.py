@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from loom.layers.gemv import gemv, use_gemv
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -38,6 +39,13 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear``, or Loom's Triton GEMV for a single CUDA row when enabled (layers/gemv.py)."""
+    if use_gemv(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -62,7 +70,7 @@ class LinearBase(nn.Module):
         relayout_for_cpu_gemv(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -87,7 +95,7 @@ class ColumnParallelLinear(LinearBase):
         _copy(param, loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
 
@@ -156,7 +164,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

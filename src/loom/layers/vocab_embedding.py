@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from loom.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = getattr(self, "_head_weight", None)
-        logits = F.linear(hidden, self.weight if head is None else head)
+        logits = linear(hidden, self.weight if head is None else head)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]

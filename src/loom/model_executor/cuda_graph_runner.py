@@ -31,6 +31,7 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, max_bs: int) -> None:
         self.runner = runner
+        self.backend = runner.attn_backend
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         dev = runner.device
@@ -47,8 +48,8 @@ class CudaGraphRunner:
                 self._capture(bs)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
 
-    def _batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
+    def _batch(self, bs: int, seq_lens_cpu: list[int] | None = None) -> ForwardBatch:
+        batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
             input_ids=self.input_ids[:bs],
@@ -56,16 +57,31 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=[1] * bs,
+            seq_lens_cpu=seq_lens_cpu or [1] * bs,
+            graph_bs=bs,
         )
+        return self.runner._attach(batch)
+
+    def _plan(self, bs: int, seq_lens_cpu: list[int] | None = None) -> ForwardBatch:
+        """``plans_on_host`` backends: plan this step outside the graph."""
+        batch = self._batch(bs, seq_lens_cpu)
+        self.backend.init_forward_metadata(batch)
+        return batch
 
     def _capture(self, bs: int) -> None:
+        host_plan = self.backend.plans_on_host
+        if host_plan:
+            self.backend.graph_wrapper(bs, self.max_bs * self.runner.model_config.context_len)
         for _ in range(2):  # compile kernels and settle the allocator outside the graph
-            self.runner._run(self._batch(bs))
+            if host_plan:
+                self.runner._run(self._plan(bs), plan=False)
+            else:
+                self.runner._run(self._batch(bs))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        batch = self._plan(bs) if host_plan else self._batch(bs)
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.runner._run(self._batch(bs))
+            out = self.runner._run(batch, plan=not host_plan)
         self.graphs[bs] = graph
         self.outputs[bs] = out
 
@@ -79,6 +95,7 @@ class CudaGraphRunner:
         seq_lens: torch.Tensor,
         req_pool_indices: torch.Tensor,
         out_cache_loc: torch.Tensor,
+        seq_lens_cpu: list[int] | None = None,
     ) -> torch.Tensor:
         bs = input_ids.shape[0]
         gbs = self.buckets[bisect.bisect_left(self.buckets, bs)]
@@ -93,5 +110,9 @@ class CudaGraphRunner:
             self.seq_lens[bs:gbs].fill_(1)
             self.req_pool_indices[bs:gbs].zero_()
             self.out_cache_loc[bs:gbs].zero_()
+        if self.backend.plans_on_host:
+            if seq_lens_cpu is None:
+                raise ValueError(f"{type(self.backend).__name__} needs the host's seq_lens")
+            self._plan(gbs, list(seq_lens_cpu) + [1] * (gbs - bs))
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]

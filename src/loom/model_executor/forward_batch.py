@@ -40,6 +40,7 @@ class ForwardBatch:
     kv_pool: KVPool | None = None
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None
+    graph_bs: int | None = None  # set when this batch is a CUDA graph's (padded) batch
 
     @property
     def is_decode(self) -> bool:

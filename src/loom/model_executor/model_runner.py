@@ -152,7 +152,7 @@ class ModelRunner:
             for candidate in _AUTO_BACKENDS.get(self.device.type, ["torch_native"]):
                 if candidate in registered:
                     cls = plugins.resolve("attention_backend", candidate)
-                    if cls.is_supported(self.device):
+                    if cls.is_supported(self.device) and cls.supports_dtype(self.dtype):
                         name = candidate
                         break
         self.attention_backend_name = name
@@ -177,12 +177,17 @@ class ModelRunner:
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch, plan: bool = True) -> torch.Tensor:
+        self._attach(batch)
+        if plan:
+            self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    def _attach(self, batch: ForwardBatch) -> ForwardBatch:
         batch.req_to_token_pool = self.req_to_token_pool
         batch.kv_pool = self.kv_pool
         batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch.input_ids, batch.positions, batch)
+        return batch
 
     @torch.inference_mode()
     def forward_extend(
@@ -238,7 +243,7 @@ class ModelRunner:
         self.req_to_token_pool.req_to_token[rows, pos] = locs
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(len(reqs)):
-            return graphs.replay(ids, pos, lens, rows, locs)
+            return graphs.replay(ids, pos, lens, rows, locs, seq_lens)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),

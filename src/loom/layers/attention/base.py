@@ -44,6 +44,10 @@ class AttentionContext:
 
 class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
+    # True when metadata must be planned on the host for every step (e.g. FlashInfer): the CUDA
+    # graph runner then calls ``init_forward_metadata`` outside the graph, before capture and
+    # before each replay (with ``batch.graph_bs`` set), and captures only the layers' kernels.
+    plans_on_host: bool = False
 
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx = ctx
@@ -52,6 +56,14 @@ class AttentionBackend(ABC):
     def is_supported(cls, device: torch.device) -> bool:
         """Whether this backend can run on ``device`` (used by --attention-backend auto)."""
         return True
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        """Whether this backend has kernels for a model in ``dtype``."""
+        return True
+
+    def graph_wrapper(self, bs: int, max_kv_tokens: int) -> Any:  # noqa: B027
+        """``plans_on_host`` backends: set up the fixed buffers of the graph for ``bs``."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         metadata = self.prepare_host(batch)

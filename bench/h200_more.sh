@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# More GPU comparisons (issue 4's remaining figures), one section per device call (each call is
+# capped at 10 minutes): bash bench/h200_more.sh OUTDIR {tests|gemv|b1|workloads}
+#   tests      GPU tests, including FlashInfer (if .whl/fi-stripped.tgz was carried) and the GEMV
+#   gemv       cuBLAS vs Loom's Triton GEMV per weight shape (bench/gemv_micro.py)
+#   b1         batch 1 decode: attention backends, GEMV, CUDA graphs and overlap on/off
+#   workloads  the random-length workloads (8B: 1000 requests; SmolLM2: 256) and HF at batch 64
+# Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+set -uo pipefail
+out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
+section=${2:?usage: bench/h200_more.sh OUTDIR SECTION}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+log="$out/log.txt"
+
+if [ -f .whl/fi-stripped.tgz ] && [ ! -d /tmp/fisite/flashinfer ]; then
+  mkdir -p /tmp/fisite && tar xzf .whl/fi-stripped.tgz -C /tmp/fisite &&
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
+      .whl/apache_tvm_ffi-*.whl 2>&1 | tail -2 | tee -a "$log"
+fi
+if [ -d /tmp/fisite/flashinfer ]; then
+  export PYTHONPATH="$PYTHONPATH:/tmp/fisite"
+  nvcc_path=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
+  export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE="$PWD/.cache/fi"
+fi
+
+offline() {  # tag, then loom bench offline flags
+  echo "== $1" | tee -a "$log"; shift
+  $py -m loom.cli bench offline --load-format dummy --skip-tokenizer-init \
+    --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -4 | tee -a "$log"
+}
+latency() {  # tag, then loom bench latency flags
+  echo "== $1" | tee -a "$log"; shift
+  $py -m loom.cli bench latency --load-format dummy --skip-tokenizer-init \
+    --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+}
+L8=configs/llama-3-8b.json
+SM=configs/smollm2-135m.json
+
+case $section in
+tests)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
+  echo "CUDA_HOME=${CUDA_HOME:-unset}" | tee -a "$log"
+  $py -c "import flashinfer, sys; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu tests/test_conformance.py tests/test_triton_backend.py \
+    tests/test_gemv.py -p no:cacheprovider -x 2>&1 | tail -30 | tee -a "$log"
+  ;;
+gemv)
+  $py bench/gemv_micro.py "$out/results.jsonl" 2>&1 | tail -40 | tee -a "$log"
+  ;;
+b1)
+  for be in triton flashinfer; do
+    latency "8b-b1-$be" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend $be
+  done
+  LOOM_GEMV=triton latency "8b-b1-triton-gemv" --model $L8 --batch-size 1 --input-len 128 --output-len 256
+  offline "8b-b1-overlap-on" --model $L8 --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
+  offline "8b-b1-overlap-off" --model $L8 --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1 --disable-overlap-schedule
+  offline "smol-b1-graphs+overlap" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
+  offline "smol-b1-no-overlap" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1 --disable-overlap-schedule
+  offline "smol-b1-no-graphs" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1 --disable-cuda-graph
+  LOOM_GEMV=triton offline "smol-b1-triton-gemv" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
+  ;;
+workloads)
+  offline "smol-256-random" --model $SM --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
+  offline "8b-1000-random" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
+  offline "8b-b64-vs-hf" --model $L8 --num-prompts 64 --input-len 128 --output-len 256 --compare-hf --hf-batch-size 64 --mem-fraction-static 0.5
+  ;;
+esac

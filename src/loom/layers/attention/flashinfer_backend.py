@@ -1,0 +1,172 @@
+"""The ``flashinfer`` attention backend, on the ``flashinfer-python`` package (CUDA only).
+
+Loom's KV pool is ``[num_slots, kv_heads, head_dim]`` per layer; FlashInfer sees it as a paged
+cache with pages of one slot (``[num_slots, 1, kv_heads, head_dim]``, NHD), so the page table of
+a request is simply its row of the req-to-token table, whatever ``--page-size`` is.
+
+FlashInfer plans on the host (it reads the KV lengths to split work), so this backend sets
+``plans_on_host``: the CUDA graph runner calls ``init_forward_metadata`` outside the graph, before
+capture and before every replay, and the graph holds only the kernels. Each captured batch size
+has its own decode wrapper over fixed index buffers, as FlashInfer's CUDA-graph mode requires.
+FlashInfer has no fp32 kernels: the backend accepts fp16 and bf16 models only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loom.layers.attention.base import AttentionBackend
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why ``flashinfer`` cannot be used here, or None when it imports."""
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as e:  # noqa: BLE001 - any failure means unavailable; say which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@dataclass
+class _Metadata:
+    wrapper: Any
+    scale_fixup: float | None = None
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+    plans_on_host = True
+
+    @classmethod
+    def is_supported(cls, device: torch.device) -> bool:
+        return device.type == "cuda" and import_error() is None
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float16, torch.bfloat16)
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        if not self.supports_dtype(ctx.dtype):
+            raise ValueError(
+                f"the flashinfer attention backend has no {ctx.dtype} kernels; "
+                "use --dtype bfloat16/float16 or another --attention-backend"
+            )
+        import flashinfer
+
+        self._fi = flashinfer
+        dev = ctx.device
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        # GQA with a group of 4 or more runs faster on the tensor-core (prefill) kernels.
+        self.decode_tensor_cores = ctx.num_heads // ctx.num_kv_heads >= 4
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+        )
+        self.graph_wrappers: dict[int, Any] = {}
+        self._graph_indices: torch.Tensor | None = None
+        self._ones = torch.ones(1024, dtype=torch.int32, device=dev)
+        self.default_scale = ctx.head_dim**-0.5
+
+    # ---- plan -----------------------------------------------------------------------------
+
+    def _kv_indices(self, batch, lens_cpu: list[int], out: torch.Tensor | None = None):
+        """Concatenated KV slots of each request (device), built without a host sync."""
+        total = sum(lens_cpu)
+        dev = batch.req_pool_indices.device
+        lens = torch.tensor(lens_cpu, dtype=torch.int64).to(dev, non_blocking=True)
+        starts = torch.cumsum(lens, 0) - lens
+        rows = torch.repeat_interleave(batch.req_pool_indices, lens, output_size=total)
+        cols = torch.arange(total, device=dev) - torch.repeat_interleave(
+            starts, lens, output_size=total
+        )
+        idx = batch.req_to_token_pool.req_to_token[rows, cols].to(torch.int32)
+        if out is not None:
+            out[:total].copy_(idx)
+            return out[:total]
+        return idx
+
+    def _last_page_len(self, bs: int) -> torch.Tensor:
+        if bs > self._ones.shape[0]:
+            self._ones = torch.ones(bs, dtype=torch.int32, device=self._ones.device)
+        return self._ones[:bs]
+
+    def graph_wrapper(self, bs: int, max_kv_tokens: int):
+        """The decode wrapper that the CUDA graph of batch size ``bs`` replays."""
+        if bs not in self.graph_wrappers:
+            dev = self.ctx.device
+            if self._graph_indices is None or self._graph_indices.shape[0] < max_kv_tokens:
+                self._graph_indices = torch.zeros(max_kv_tokens, dtype=torch.int32, device=dev)
+            self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
+            )
+        return self.graph_wrappers[bs]
+
+    def prepare_host(self, batch):
+        ctx = self.ctx
+        bs = batch.batch_size
+        lens_cpu = list(batch.seq_lens_cpu)
+        indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(lens_cpu, dtype=torch.int32), 0, out=indptr[1:])
+        common = dict(q_data_type=ctx.dtype, kv_data_type=ctx.dtype)
+        if batch.is_decode:
+            graph_bs = getattr(batch, "graph_bs", None)
+            wrapper = self.decode if graph_bs is None else self.graph_wrappers[graph_bs]
+            indices = self._kv_indices(batch, lens_cpu)
+            wrapper.plan(
+                indptr,
+                indices,
+                self._last_page_len(bs),
+                ctx.num_heads,
+                ctx.num_kv_heads,
+                ctx.head_dim,
+                1,
+                **common,
+            )
+            return _Metadata(wrapper)
+        qo = torch.zeros(bs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
+        self.prefill.plan(
+            qo,
+            indptr,
+            self._kv_indices(batch, lens_cpu),
+            self._last_page_len(bs),
+            ctx.num_heads,
+            ctx.num_kv_heads,
+            ctx.head_dim,
+            1,
+            causal=True,
+            **common,
+        )
+        return _Metadata(self.prefill)
+
+    # ---- run ------------------------------------------------------------------------------
+
+    def _run(self, q, layer, batch):
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        shape = (k_buf.shape[0], 1, layer.num_kv_heads, layer.head_dim)
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        if abs(layer.scaling - self.default_scale) > 1e-12:
+            q = q * (layer.scaling / self.default_scale)
+        out = batch.attn_metadata.wrapper.run(q, (k_buf.view(shape), v_buf.view(shape)))
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_extend(self, q, layer, batch):
+        return self._run(q, layer, batch)
+
+    def forward_decode(self, q, layer, batch):
+        return self._run(q, layer, batch)
