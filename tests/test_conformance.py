@@ -75,7 +75,7 @@ def test_kit_catches_a_lossy_schedule_policy():
     from loom.scheduler.policy import SchedulePolicy
 
     class Lossy(SchedulePolicy):
-        def order(self, waiting):
+        def order(self, waiting, cache):
             return waiting[1:]
 
     plugins.register("schedule_policy", "lossy_for_test", Lossy)

@@ -29,6 +29,11 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "schedule_policy": {
         "fcfs": "loom.scheduler.policy:FCFSPolicy",
+        "lpm": "loom.scheduler.policy:LPMPolicy",
+        "dfs-weight": "loom.scheduler.policy:DFSWeightPolicy",
+        "lof": "loom.scheduler.policy:LOFPolicy",
+        "random": "loom.scheduler.policy:RandomPolicy",
+        "priority": "loom.scheduler.policy:PriorityPolicy",
     },
     "logits_processor": {
         "disallowed_tokens": "loom.sampling.logits_processor:DisallowedTokensProcessor",

@@ -262,6 +262,8 @@ class Engine:
         params: SamplingParams,
         rid: str | None,
         loop: asyncio.AbstractEventLoop | None = None,
+        priority: int | None = None,
+        extra_key: str | None = None,
     ) -> _ReqState:
         self._check_alive()
         rid = rid or uuid.uuid4().hex
@@ -280,7 +282,8 @@ class Engine:
             if rid in self._states:
                 raise ValueError(f"duplicate request id {rid!r}")
             self._states[rid] = st
-        self.backend.send(("add", Req(rid, input_ids, params)))
+        req = Req(rid, input_ids, params, priority=priority or 0, extra_key=extra_key)
+        self.backend.send(("add", req))
         return st
 
     def _forget(self, st: _ReqState) -> None:
@@ -379,20 +382,38 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
         stream: bool = False,
+        priority: int | list[int] | None = None,
+        extra_key: str | list[str] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a list (a list of dicts, in order).
 
         Each result is ``{"text", "output_ids", "meta_info"}``; with ``stream=True`` (single
         prompt only) an iterator of increments whose texts concatenate to the full text.
+
+        ``priority`` (higher is scheduled first under ``--schedule-policy priority`` and kept
+        longer by ``--radix-eviction-policy priority``) and ``extra_key`` (a prefix-cache
+        namespace such as a ``cache_salt``: requests with different keys share no cached KV)
+        take one value or, for a batch, one per prompt.
         """
         batch = self._as_batch(prompt, input_ids, sampling_params, rid)
         if batch is None:
             ids, params = self._prepare(prompt, input_ids, sampling_params)
-            st = self._submit(ids, params, rid)
+            _check_options(priority, extra_key)
+            st = self._submit(ids, params, rid, priority=priority, extra_key=extra_key)
             return self._stream(st) if stream else self._wait(st)
         if stream:
             raise ValueError("stream=True takes a single prompt")
-        states = [self._submit(ids, params, r) for ids, params, r in batch]
+        n = len(batch)
+        prios = priority if isinstance(priority, list) else [priority] * n
+        keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
+        if len(prios) != n or len(keys) != n:
+            raise ValueError("priority and extra_key lists must match the number of prompts")
+        for pr, k in zip(prios, keys, strict=True):
+            _check_options(pr, k)
+        states = [
+            self._submit(ids, params, r, priority=pr, extra_key=k)
+            for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True)
+        ]
         return [self._wait(st) for st in states]
 
     def _as_batch(self, prompt, input_ids, sampling_params, rid):
@@ -423,11 +444,21 @@ class Engine:
         input_ids: list[int] | None = None,
         rid: str | None = None,
         stream: bool = False,
+        priority: int | None = None,
+        extra_key: str | None = None,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """Like ``generate`` for one prompt; ``stream=True`` returns an async iterator of
         increments (``text`` is the new text, ``output_ids`` the new ids)."""
         ids, params = self._prepare(prompt, input_ids, sampling_params)
-        st = self._submit(ids, params, rid, loop=asyncio.get_running_loop())
+        _check_options(priority, extra_key)
+        st = self._submit(
+            ids,
+            params,
+            rid,
+            loop=asyncio.get_running_loop(),
+            priority=priority,
+            extra_key=extra_key,
+        )
         if stream:
             return _AsyncStream(self, st)
         while True:
@@ -465,6 +496,13 @@ class Engine:
             self._stopped.set()
             with contextlib.suppress(Exception):
                 backend.shutdown()
+
+
+def _check_options(priority: Any, extra_key: Any) -> None:
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if extra_key is not None and not isinstance(extra_key, str):
+        raise ValueError(f"extra_key (cache_salt) must be a string, got {extra_key!r}")
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:

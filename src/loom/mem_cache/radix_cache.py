@@ -15,8 +15,9 @@ Invariants (checked by ``check``):
 - every slot is in the tree at most once; slots leave only through ``evict`` (given back through
   ``free_slots``) or ``reset``.
 
-Not wired into the scheduler yet: issue 5 integrates it (admission by matched prefix, insert on
-finish and after chunks, eviction when the allocator runs dry, cache-aware policies).
+The scheduler matches and locks a prefix on admission, inserts after every chunk of a chunked
+prefill and when a request finishes or is retracted, and evicts when the allocator runs dry;
+cache-aware schedule policies read it through ``peek_prefix``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class RadixCache:
         self.policy = policy
         self.page_size = page_size
         self._clock = 0.0  # logical time: one tick per operation, deterministic
+        self.num_evicted_tokens = 0
         self.reset()
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -147,6 +149,23 @@ class RadixCache:
             slots += child.value
             node, key_t = child, key_t[n:]
         return slots, node
+
+    def peek_prefix(self, key: list[int], extra_key: Hashable = None) -> tuple[int, TreeNode]:
+        """Read-only ``match_prefix``: the cached page-aligned prefix length of ``key`` and the
+        deepest node matched in full (a partial edge counts in the length only). Changes
+        nothing: no split, no hit, no clock tick (schedule policies call it)."""
+        key_t = tuple(key[: self._aligned(len(key))])
+        node, length = self.root, 0
+        while key_t:
+            child = node.children.get(self._child_key(key_t, extra_key, node))
+            if child is None:
+                break
+            n = self._common(child.key, key_t)
+            length += n
+            if n < len(child.key):
+                break
+            node, key_t = child, key_t[n:]
+        return length, node
 
     def insert(
         self, key: list[int], value: list[int], extra_key: Hashable = None, priority: int = 0
@@ -245,6 +264,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             self.free_slots(list(node.value))
             freed += len(node.value)
+            self.num_evicted_tokens += len(node.value)
             self.evictable_size -= len(node.key)
             parent = node.parent
             del parent.children[self._child_key(node.key, node.extra_key, parent)]

@@ -10,8 +10,21 @@ from loom.sampling.sampling_params import SamplingParams
 
 
 class Req:
-    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams) -> None:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        extra_key: str | None = None,
+    ) -> None:
         self.rid = rid
+        # Scheduling priority (``--schedule-policy priority``; higher runs first) and the prefix
+        # cache's eviction priority (``--radix-eviction-policy priority``; lower goes first).
+        self.priority = priority
+        # Prefix-cache namespace (``cache_salt``, later a LoRA adapter): requests with different
+        # extra keys never share cached KV.
+        self.extra_key = extra_key
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
         self.output_ids: list[int] = []

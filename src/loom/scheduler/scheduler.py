@@ -29,6 +29,7 @@ import torch
 from loom import plugins
 from loom.mem_cache.radix_cache import RadixCache
 from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
+from loom.scheduler.policy import NoPrefixCache
 from loom.scheduler.request import Req, ReqOutput
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class Scheduler:
         self.chunk_size = math.inf if chunk == -1 else max(chunk, self.page_size)
         self.max_prefill_tokens = server_args.max_prefill_tokens
         policy_cls = plugins.resolve("schedule_policy", server_args.schedule_policy)
-        self.policy = policy_cls()
+        self.policy = policy_cls(seed=server_args.random_seed)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -232,7 +233,7 @@ class Scheduler:
             if n > 0:
                 table = self.req_to_token_pool.req_to_token
                 slots = table[req.req_pool_idx, :n].tolist()
-                done = self.tree.insert(req.fill_ids[:n], slots)
+                done = self.tree.insert(req.fill_ids[:n], slots, req.extra_key, req.priority)
                 # Pages in [0, done) were already cached (ours are duplicates); pages in
                 # [done, n) now belong to the tree; pages past n (a partial page) are freed.
                 keep = {i for i in range(done // ps, n // ps)}
@@ -249,6 +250,35 @@ class Scheduler:
             self.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """A chunked prefill inserts what it has computed so far, so that requests sharing the
+        prefix can match it before this one finishes; the request then holds the tree's path
+        (locked) instead of its own pages for that part."""
+        if self.tree is None:
+            return
+        ps = self.page_size
+        n = req.kv_len - req.kv_len % ps
+        if n <= req.num_shared_pages * ps:
+            return
+        table = self.req_to_token_pool.req_to_token
+        slots = table[req.req_pool_idx, :n].tolist()
+        done = self.tree.insert(req.fill_ids[:n], slots, req.extra_key, req.priority)
+        # Own pages in [num_shared, done) duplicate what another request cached meanwhile.
+        dup = [p for i, p in enumerate(req.kv_pages) if req.num_shared_pages <= i < done // ps]
+        new_slots, node = self.tree.match_prefix(req.fill_ids[:n], req.extra_key)
+        assert len(new_slots) == n, "a just-inserted prefix must match in full"
+        self.tree.inc_lock_ref(node)
+        if req.prefix_node is not None:
+            self.tree.dec_lock_ref(req.prefix_node)
+        req.prefix_node = node
+        self.allocator.free(dup)
+        req.kv_pages = [s // ps for s in new_slots[::ps]] + req.kv_pages[n // ps :]
+        req.num_shared_pages = n // ps
+        if dup:
+            table[req.req_pool_idx, :n] = torch.tensor(new_slots, dtype=torch.int64).to(
+                table.device, non_blocking=True
+            )
 
     def _free_tree_slots(self, slots: list[int]) -> None:
         ps = self.page_size
@@ -317,7 +347,7 @@ class Scheduler:
                 return items
         if not self.waiting:
             return items
-        ordered = self.policy.order(list(self.waiting))
+        ordered = self.policy.order(list(self.waiting), self._prefix_view)
         free_pages = self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
         num_active = len(self.running) + len(items)
         for req in ordered:
@@ -355,11 +385,19 @@ class Scheduler:
                 break
         return items
 
+    @property
+    def _prefix_view(self):
+        return self if self.tree is not None else NoPrefixCache()
+
+    def match(self, req: Req) -> tuple[int, object]:
+        """The schedule policies' read-only view of the prefix cache (``PrefixView``)."""
+        return self.tree.peek_prefix(req.fill_ids[: req.seq_len - 1], req.extra_key)
+
     def _match(self, req: Req) -> tuple[list[int], object]:
         """The cached prefix of the request's tokens, leaving at least one token to compute."""
         if self.tree is None:
             return [], None
-        return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+        return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1], req.extra_key)
 
     def _use_prefix(self, req: Req, slots: list[int], node) -> None:
         """Start the request on a matched prefix: lock it and point its table row at it."""
@@ -394,6 +432,8 @@ class Scheduler:
         for it in items:
             it.req.kv_len += it.extend_len
             self.stats.num_prompt_tokens += it.extend_len
+            if not it.completes:
+                self._cache_unfinished(it.req)
         done = [i for i, it in enumerate(items) if it.completes]
         if not done:
             return []

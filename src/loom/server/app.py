@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loom.server.protocol import APIError, bad, finish_reason, parse_chat, parse_completion
+from loom.server.protocol import (
+    APIError,
+    ParsedRequest,
+    bad,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+)
 
 if TYPE_CHECKING:
     from loom.engine.engine import Engine
@@ -27,6 +34,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _FIELD = re.compile(r"^([a-z_]+)[ :]")
+
+
+_GENERATE_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "priority",
+    "extra_key",
+}
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -134,11 +152,19 @@ def create_app(engine: Engine) -> FastAPI:
             )
 
     async def start(
-        input_ids: list[int] | None, text: str | None, sampling: dict[str, Any]
+        input_ids: list[int] | None,
+        text: str | None,
+        sampling: dict[str, Any],
+        req: ParsedRequest | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             return await engine.async_generate(
-                prompt=text, input_ids=input_ids, sampling_params=sampling, stream=True
+                prompt=text,
+                input_ids=input_ids,
+                sampling_params=sampling,
+                stream=True,
+                priority=req.priority if req else None,
+                extra_key=req.extra_key if req else None,
             )
         except ValueError as e:
             raise _value_error(e) from e
@@ -239,7 +265,7 @@ def create_app(engine: Engine) -> FastAPI:
             raise _value_error(e) from e
         admit(req.n)
         streams = [
-            await start(ids, None, choice_params(req.sampling, req.n, i)) for i in range(req.n)
+            await start(ids, None, choice_params(req.sampling, req.n, i), req) for i in range(req.n)
         ]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
@@ -311,7 +337,7 @@ def create_app(engine: Engine) -> FastAPI:
         for p in prompts:
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             for i in range(req.n):
-                streams.append(await start(ids, text, choice_params(req.sampling, req.n, i)))
+                streams.append(await start(ids, text, choice_params(req.sampling, req.n, i), req))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
         if not req.stream:
@@ -365,7 +391,7 @@ def create_app(engine: Engine) -> FastAPI:
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         for key in body:
-            if key not in ("text", "input_ids", "sampling_params", "stream", "rid"):
+            if key not in _GENERATE_FIELDS:
                 raise bad(f"unknown field {key!r}", key)
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
@@ -378,20 +404,31 @@ def create_app(engine: Engine) -> FastAPI:
             items = [(None, ids) for ids in (input_ids if batch else [input_ids])]
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(items)
-        rids = body.get("rid")
-        rids = rids if isinstance(rids, list) else [rids] * len(items)
-        if len(params_list) != len(items) or len(rids) != len(items):
-            raise bad("sampling_params and rid lists must match the batch size", "sampling_params")
+        per_item = {}
+        for key in ("rid", "priority", "extra_key"):
+            v = body.get(key)
+            per_item[key] = v if isinstance(v, list) else [v] * len(items)
+            if len(per_item[key]) != len(items):
+                raise bad(f"{key} list must match the batch size", key)
+        if len(params_list) != len(items):
+            raise bad("sampling_params list must match the batch size", "sampling_params")
+        rids = list(zip(per_item["rid"], per_item["priority"], per_item["extra_key"], strict=True))
         stream = bool(body.get("stream", False))
         admit(len(items))
         streams = []
-        for (t, ids), sp, r in zip(items, params_list, rids, strict=True):
+        for (t, ids), sp, (r, prio, key) in zip(items, params_list, rids, strict=True):
             if not isinstance(sp, dict):
                 raise bad("sampling_params must be an object", "sampling_params")
             try:
                 streams.append(
                     await engine.async_generate(
-                        prompt=t, input_ids=ids, sampling_params=sp, rid=r, stream=True
+                        prompt=t,
+                        input_ids=ids,
+                        sampling_params=sp,
+                        rid=r,
+                        stream=True,
+                        priority=prio,
+                        extra_key=key,
                     )
                 )
             except ValueError as e:

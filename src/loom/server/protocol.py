@@ -99,6 +99,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     sampling: dict[str, Any]  # Loom sampling params (SGLang names)
+    priority: int | None = None
+    extra_key: str | None = None  # OpenAI's cache_salt: a prefix-cache namespace
 
 
 def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
@@ -126,6 +128,8 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
             "custom_logit_processor",
             "custom_params",
             "no_stop_trim",
+            "priority",
+            "cache_salt",
         }
     )
     for key in body:
@@ -182,7 +186,13 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     for key in ("custom_logit_processor", "custom_params"):
         if body.get(key) is not None:
             sampling[key] = body[key]
-    return ParsedRequest(model, n, stream, bool(opts.get("include_usage")), sampling)
+    priority = _num(body, "priority", integer=True)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad("cache_salt must be a non-empty string", "cache_salt")
+    return ParsedRequest(
+        model, n, stream, bool(opts.get("include_usage")), sampling, priority, salt
+    )
 
 
 def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]]]:

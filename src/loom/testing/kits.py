@@ -152,6 +152,38 @@ def check_attention_backend(
 # ---- schedule_policy --------------------------------------------------------------------------
 
 
+class _FakePrefixNode:
+    def __init__(self, parent=None):
+        self.parent, self.children = parent, {}
+        if parent is not None:
+            parent.children[len(parent.children)] = self
+
+
+class _FakePrefixView:
+    """A small random tree; each request matches a random node of it (or nothing)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        root = _FakePrefixNode()
+        self.nodes = [root]
+        for _ in range(6):
+            self.nodes.append(_FakePrefixNode(rng.choice(self.nodes)))
+        self.rng = rng
+        self.memo: dict[str, tuple[int, object]] = {}
+
+    def match(self, req):
+        if req.rid not in self.memo:
+            node = self.rng.choice(self.nodes)
+            self.memo[req.rid] = (
+                (0, None)
+                if node.parent is None
+                else (
+                    self.rng.randint(1, 20),
+                    node,
+                )
+            )
+        return self.memo[req.rid]
+
+
 def check_schedule_policy(name: str, seed: int = 0) -> None:
     """``order`` returns a permutation of the queue and leaves requests untouched."""
     from loom.sampling.sampling_params import SamplingParams
@@ -171,7 +203,7 @@ def check_schedule_policy(name: str, seed: int = 0) -> None:
         before = [
             (r.rid, list(r.origin_input_ids), r.sampling_params.max_new_tokens) for r in waiting
         ]
-        ordered = policy.order(list(waiting))
+        ordered = policy.order(list(waiting), _FakePrefixView(rng))
         assert sorted(map(id, ordered)) == sorted(map(id, waiting)), (
             f"{name}: order() must return a permutation of the waiting requests"
         )
