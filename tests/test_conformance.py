@@ -35,7 +35,7 @@ def test_attention_backend_kit_cuda(name):
         pytest.skip(f"{name} is not supported here")
     if cls.supports_dtype(torch.float32):
         check_attention_backend(name, device="cuda", dtype=torch.float32)
-    check_attention_backend(name, device="cuda", dtype=torch.bfloat16, page_size=16)
+    check_attention_backend(name, device="cuda", dtype=torch.bfloat16, page_size=16, head_dim=64)
 
 
 @pytest.mark.parametrize("name", _available("schedule_policy"))

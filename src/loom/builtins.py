@@ -35,6 +35,10 @@ BUILTINS: dict[str, dict[str, str]] = {
         "random": "loom.scheduler.policy:RandomPolicy",
         "priority": "loom.scheduler.policy:PriorityPolicy",
     },
+    "hicache_storage": {
+        "file": "loom.mem_cache.storage:FileStorage",
+        "sqlite": "loom.mem_cache.storage:SQLiteStorage",
+    },
     "logits_processor": {
         "disallowed_tokens": "loom.sampling.logits_processor:DisallowedTokensProcessor",
     },

@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(b)
     b.set_defaults(func=lambda ns: run_latency(ns, _server_kwargs(ns)))
 
+    from loom.bench.prefix import add_prefix_args, run_prefix
+
+    b = bench.add_parser(
+        "prefix", help="prefix-cache workloads: shared prefix, 0% hits, multi-turn"
+    )
+    add_prefix_args(b)
+    ServerArgs.add_cli_args(b)
+    b.set_defaults(func=lambda ns: run_prefix(ns, _server_kwargs(ns)))
+
     from loom.bench.serving import add_serving_args, run_serving
 
     b = bench.add_parser("serving", help="send HTTP streaming requests to a running server")

@@ -125,6 +125,43 @@ class ServerArgs:
         default=False, metadata=_arg("Do not share KV between requests with a common prefix.")
     )
 
+    # Hierarchical KV cache
+    enable_hierarchical_cache: bool = field(
+        default=False,
+        metadata=_arg(
+            "Keep prefixes evicted from the device pool in host memory (and, with a storage "
+            "backend, in a third tier) and load them back on a hit."
+        ),
+    )
+    hicache_ratio: float = field(
+        default=2.0,
+        metadata=_arg(
+            "Host KV tier size as a multiple of the device pool's (unless --hicache-size)."
+        ),
+    )
+    hicache_size: float = field(
+        default=0.0, metadata=_arg("Host KV tier size in GB (0: use --hicache-ratio).")
+    )
+    hicache_write_policy: str = field(
+        default="write_through",
+        metadata=_arg(
+            "When device KV is copied to host: write_through (on insert), "
+            "write_through_selective (once a prefix is hit twice), write_back (on eviction).",
+            choices=("write_through", "write_through_selective", "write_back"),
+        ),
+    )
+    hicache_storage_backend: str | None = field(
+        default=None,
+        metadata=_arg(
+            "Third tier under the host cache (needs --enable-hierarchical-cache).",
+            family="hicache_storage",
+        ),
+    )
+    hicache_storage_backend_extra_config: str | None = field(
+        default=None,
+        metadata=_arg('The storage backend\'s options as JSON, e.g. \'{"path": "/data/kv"}\'.'),
+    )
+
     # Kernels
     attention_backend: str = field(
         default="auto",
@@ -195,6 +232,21 @@ class ServerArgs:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.schedule_conservativeness < 0:
             raise ValueError("schedule_conservativeness must be >= 0")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("hicache_ratio must be > 0 and hicache_size >= 0")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache")
+        if self.hicache_storage_backend_extra_config is not None:
+            import json
+
+            try:
+                extra = json.loads(self.hicache_storage_backend_extra_config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from e
+            if not isinstance(extra, dict):
+                raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -122,17 +122,20 @@ def test_cuda_backends_and_graphs_match_torch_native(tiny_dir, backend):
     assert got == want
 
 
-def test_flashinfer_bf16_graphs_match_torch_native(tiny_dir):
+def test_flashinfer_bf16_graphs_match_torch_native(tmp_path):
     """FlashInfer (bf16 only) with CUDA graphs and host-side planning against torch_native in
     bf16: greedy tokens agree (random weights scaled to give clear winners), KV balances."""
     from loom.layers.attention.flashinfer_backend import import_error
 
     if import_error() is not None:
         pytest.skip(f"flashinfer unavailable: {import_error()}")
+    # FlashInfer has kernels for head_dim 64/128/256 only: 256 / 4 heads = 64.
+    shape = dict(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    model_dir = save_tiny_llama(tmp_path / "tiny64", **shape)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     kw = dict(
-        model=str(tiny_dir),
+        model=str(model_dir),
         device="cuda",
         dtype="bfloat16",
         skip_tokenizer_init=True,

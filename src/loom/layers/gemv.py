@@ -6,9 +6,12 @@ can go no faster than the weights' bytes over the memory bandwidth. Each program
 ``[BLOCK_N, BLOCK_K]`` tile per iteration along K (contiguous, so loads coalesce), multiplies
 it by the matching slice of ``x`` in fp32 and reduces once at the end.
 
-Off unless ``LOOM_GEMV=triton`` (the benchmark's switch) until it is measured faster than
-cuBLAS; the reference is ``torch.nn.functional.linear`` (tests/test_gemv.py, on CPU under
-``TRITON_INTERPRET=1``).
+Which of cuBLAS (``F.linear``) and this kernel runs is decided per weight shape the first time
+the shape is seen on a CUDA device (before any CUDA graph capture, which runs every shape
+eagerly first): both are timed and the faster one is kept (``LOOM_GEMV=auto``, the default).
+On the H200 the kernel won on every Llama-3-8B shape and cuBLAS on SmolLM2's LM head.
+``LOOM_GEMV=cublas`` or ``=triton`` forces one. The reference is ``torch.nn.functional.linear``
+(tests/test_gemv.py, on CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,16 @@ if HAS_TRITON:
     def _configs():
         return [
             triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            # The winners per Llama-3-8B / SmolLM2 shape on an H200 (bench/gemv_micro.py over
+            # 44 configurations, docs/benchmarks.md), plus neighbours.
             for bn, bk, w, s in [
-                (4, 512, 4, 3),
-                (8, 256, 4, 3),
+                (2, 1024, 4, 2),
+                (2, 1024, 4, 3),
+                (4, 1024, 4, 3),
+                (8, 1024, 4, 3),
+                (4, 256, 4, 4),
                 (8, 512, 4, 3),
-                (8, 512, 8, 3),
                 (16, 256, 4, 3),
-                (16, 256, 8, 4),
-                (16, 512, 8, 3),
-                (32, 128, 4, 4),
-                (32, 256, 8, 3),
-                (4, 1024, 8, 2),
             ]
         ]
 
@@ -102,13 +104,37 @@ def gemv(
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer should call :func:`gemv` for ``x``."""
-    return (
-        _ENABLED
+    if not (
+        _MODE != "cublas"
+        and HAS_TRITON
         and x.is_cuda
         and x.numel() == x.shape[-1]
         and weight.stride(1) == 1
         and weight.dtype in (torch.float16, torch.bfloat16)
-    )
+    ):
+        return False
+    if _MODE == "triton":
+        return True
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    choice = _CHOICE.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # never time inside a capture (shapes are seen eagerly first anyway)
+        choice = _CHOICE[key] = _triton_is_faster(x, weight)
+    return choice
 
 
-_ENABLED = HAS_TRITON and os.environ.get("LOOM_GEMV", "cublas") == "triton"
+def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    import torch.nn.functional as F
+    from triton.testing import do_bench_cudagraph
+
+    # Timed as CUDA graphs: decode replays graphs, so launch overhead must not count.
+    x = x.reshape(1, -1).contiguous()
+    gemv(x, weight)  # autotune outside the capture
+    t_cublas = do_bench_cudagraph(lambda: F.linear(x, weight), rep=20)
+    t_triton = do_bench_cudagraph(lambda: gemv(x, weight), rep=20)
+    return t_triton < t_cublas
+
+
+_MODE = os.environ.get("LOOM_GEMV", "auto")
+_CHOICE: dict = {}

@@ -43,6 +43,8 @@ class TreeNode:
         "priority",
         "extra_key",
         "id",
+        "host_kv",  # hierarchical cache: the node's KV in host memory, or None
+        "pending",  # hierarchical cache: event of a device-to-host copy still in flight
     )
 
     _ids = itertools.count()
@@ -66,6 +68,8 @@ class TreeNode:
         self.priority = 0
         self.extra_key = extra_key
         self.id = next(TreeNode._ids)
+        self.host_kv = None
+        self.pending = None
 
     @property
     def is_leaf(self) -> bool:
@@ -203,10 +207,31 @@ class RadixCache:
             node = node.parent
         return done
 
+    def cache(
+        self, key: list[int], value: list[int], extra_key: Hashable = None, priority: int = 0
+    ) -> list[int]:
+        """Insert a request's KV (``value``: its slots for ``key``); returns the slots the tree
+        did not take, which the caller frees (duplicates of what was already cached, and the
+        tail past the last full page)."""
+        done = self.insert(key, value, extra_key, priority)
+        return list(value[:done]) + list(value[self._aligned(len(key)) :])
+
+    def flush(self) -> None:
+        """Drop everything unlocked (``/flush_cache``)."""
+        self.evict(self.total_size)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release background resources (the hierarchical cache's storage writer)."""
+
     def _split(self, child: TreeNode, n: int, now: float) -> TreeNode:
         """Split ``child`` after ``n`` tokens; returns the new upper node."""
         parent = child.parent
-        upper = TreeNode(parent, child.key[:n], child.value[:n], child.extra_key, now)
+        upper = TreeNode(parent, child.key[:n], None, child.extra_key, now)
+        upper.value = child.value[:n] if child.value is not None else None
+        if child.host_kv is not None:  # [layers, 2, tokens, heads, dim]: split along tokens
+            upper.host_kv = child.host_kv[:, :, :n]
+            child.host_kv = child.host_kv[:, :, n:]
+        upper.pending = child.pending
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         upper.last_access_time = child.last_access_time
@@ -214,7 +239,8 @@ class RadixCache:
         upper.priority = child.priority
         parent.children[self._child_key(child.key, child.extra_key, parent)] = upper
         child.parent = upper
-        child.key, child.value = child.key[n:], child.value[n:]
+        child.key = child.key[n:]
+        child.value = child.value[n:] if child.value is not None else None
         upper.children[self._child_key(child.key, child.extra_key, upper)] = child
         self.policy.on_insert(upper)
         return upper

@@ -147,30 +147,39 @@ class ModelRunner:
 
     def _init_attention_backend(self) -> None:
         name = self.args.attention_backend
+        heads = self.model_config.hf_config.num_attention_heads // get_tp_size()
+        ctx = AttentionContext(
+            num_heads=heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            kv_pool=self.kv_pool,
+            req_to_token_pool=self.req_to_token_pool,
+        )
         if name == "auto":
+            # The first registered backend, in the device's order, that supports this device,
+            # dtype and shape (a backend's constructor raises ValueError for shapes it lacks).
             registered = set(plugins.names("attention_backend"))
             for candidate in _AUTO_BACKENDS.get(self.device.type, ["torch_native"]):
-                if candidate in registered:
-                    cls = plugins.resolve("attention_backend", candidate)
-                    if cls.is_supported(self.device) and cls.supports_dtype(self.dtype):
-                        name = candidate
-                        break
+                if candidate not in registered:
+                    continue
+                cls = plugins.resolve("attention_backend", candidate)
+                if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
+                    continue
+                try:
+                    self.attn_backend = cls(ctx)
+                except ValueError as e:
+                    logger.info("attention backend %s skipped: %s", candidate, e)
+                    continue
+                self.attention_backend_name = candidate
+                return
+            raise ValueError(f"no attention backend supports {self.device} / {self.dtype}")
         self.attention_backend_name = name
         cls = plugins.resolve("attention_backend", name)
         if not cls.is_supported(self.device):
             raise ValueError(f"attention backend {name!r} does not support {self.device}")
-        heads = self.model_config.hf_config.num_attention_heads // get_tp_size()
-        self.attn_backend = cls(
-            AttentionContext(
-                num_heads=heads,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-                kv_pool=self.kv_pool,
-                req_to_token_pool=self.req_to_token_pool,
-            )
-        )
+        self.attn_backend = cls(ctx)
 
     # ---- forward --------------------------------------------------------------------------
 

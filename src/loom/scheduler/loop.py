@@ -31,6 +31,18 @@ class SchedulerBatchOut:
 def scheduler_stats(sched: Scheduler) -> dict[str, Any]:
     alloc = sched.allocator
     used = (alloc.num_pages - alloc.num_free) * alloc.page_size
+    hstats = getattr(sched.tree, "hstats", None)
+    if hstats is not None:
+        return {
+            **_stats(sched, alloc, used),
+            "hicache_host_tokens": sched.tree.host_size,
+            "hicache_host_hit_tokens": hstats.host_hit_tokens,
+            "hicache_storage_hit_tokens": hstats.storage_hit_tokens,
+        }
+    return _stats(sched, alloc, used)
+
+
+def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
     return {
         "num_running_reqs": len(sched.running) + (1 if sched.chunked_req else 0),
         "num_queued_reqs": len(sched.waiting),
@@ -57,6 +69,13 @@ def run_scheduler_loop(
 ) -> None:
     """Run until ``should_stop()`` or a shutdown message. ``poll(timeout)`` returns pending
     messages, waiting up to ``timeout`` seconds only when the scheduler is idle."""
+    try:
+        _loop(sched, poll, emit, should_stop, stats_interval)
+    finally:
+        sched.close()
+
+
+def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
     last_emit = 0.0
     while not should_stop():
         stop = False

@@ -122,8 +122,74 @@ class Scheduler:
             policy = plugins.resolve("radix_eviction_policy", server_args.radix_eviction_policy)
             # Every policy takes keyword options; those it does not use are ignored.
             options = {"protected_threshold": server_args.slru_protected_threshold}
-            self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
+            if server_args.enable_hierarchical_cache:
+                self.tree = self._build_hicache(policy(**options))
+            else:
+                self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
         self._inflight: _InflightDecode | None = None
+
+    def _build_hicache(self, policy):
+        import json
+
+        from loom.mem_cache.hiradix_cache import HiRadixCache, KVTransfer
+
+        args, runner = self.args, self.runner
+        pool = runner.kv_pool
+        per_token = pool.bytes_per_token(
+            len(pool.k_buffers), pool.num_kv_heads, pool.head_dim, pool.dtype
+        )
+        if args.hicache_size > 0:
+            host_tokens = int(args.hicache_size * 1e9 // per_token)
+        else:
+            host_tokens = int(args.hicache_ratio * runner.max_total_tokens)
+        storage = None
+        if args.hicache_storage_backend:
+            extra = json.loads(args.hicache_storage_backend_extra_config or "{}")
+            cls = plugins.resolve("hicache_storage", args.hicache_storage_backend)
+            storage = cls(self._storage_namespace(), **extra)
+        logger.info(
+            "hierarchical cache: host tier %d tokens (%.1f MB), %s, storage %s",
+            host_tokens,
+            host_tokens * per_token / 2**20,
+            args.hicache_write_policy,
+            args.hicache_storage_backend or "none",
+        )
+        return HiRadixCache(
+            self._free_tree_slots,
+            policy,
+            self.page_size,
+            alloc_slots=self._alloc_tree_slots,
+            transfer=KVTransfer(pool),
+            host_capacity_tokens=host_tokens,
+            write_policy=args.hicache_write_policy,
+            storage=storage,
+        )
+
+    def _storage_namespace(self) -> str:
+        """The model and KV layout: stores are shared only between identical layouts."""
+        import hashlib
+        import os
+        import re
+
+        pool = self.runner.kv_pool
+        cfg = self.runner.model_config
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(str(cfg.path).rstrip("/")))
+        layout = (
+            f"{cfg.path}|{cfg.architecture}|{pool.dtype}|L{len(pool.k_buffers)}|"
+            f"H{pool.num_kv_heads}|D{pool.head_dim}|P{self.page_size}"
+        )
+        return f"{name[:48]}-{hashlib.sha256(layout.encode()).hexdigest()[:16]}"
+
+    def _alloc_tree_slots(self, num_tokens: int) -> list[int] | None:
+        ps = self.page_size
+        pages = self._alloc_pages(num_tokens // ps)
+        if pages is None:
+            return None
+        return [p * ps + i for p in pages for i in range(ps)]
+
+    def close(self) -> None:
+        if self.tree is not None:
+            self.tree.close()
 
     # ---- intake ---------------------------------------------------------------------------
 
@@ -233,11 +299,13 @@ class Scheduler:
             if n > 0:
                 table = self.req_to_token_pool.req_to_token
                 slots = table[req.req_pool_idx, :n].tolist()
-                done = self.tree.insert(req.fill_ids[:n], slots, req.extra_key, req.priority)
-                # Pages in [0, done) were already cached (ours are duplicates); pages in
-                # [done, n) now belong to the tree; pages past n (a partial page) are freed.
-                keep = {i for i in range(done // ps, n // ps)}
-                self.allocator.free([p for i, p in enumerate(own, first_own) if i not in keep])
+                back = self.tree.cache(req.fill_ids[:n], slots, req.extra_key, req.priority)
+                # The tree took our pages except duplicates of what it had cached already
+                # (``back``); the partial page past n is ours to free too.
+                dup = {s // ps for s in back}
+                self.allocator.free(
+                    [p for i, p in enumerate(own, first_own) if i >= n // ps or p in dup]
+                )
                 own = []
         if own:
             self.allocator.free(own)
@@ -263,9 +331,15 @@ class Scheduler:
             return
         table = self.req_to_token_pool.req_to_token
         slots = table[req.req_pool_idx, :n].tolist()
-        done = self.tree.insert(req.fill_ids[:n], slots, req.extra_key, req.priority)
-        # Own pages in [num_shared, done) duplicate what another request cached meanwhile.
-        dup = [p for i, p in enumerate(req.kv_pages) if req.num_shared_pages <= i < done // ps]
+        back = {
+            s // ps for s in self.tree.cache(req.fill_ids[:n], slots, req.extra_key, req.priority)
+        }
+        # Own pages the tree did not take duplicate what another request cached meanwhile.
+        dup = [
+            p
+            for i, p in enumerate(req.kv_pages)
+            if req.num_shared_pages <= i < n // ps and p in back
+        ]
         new_slots, node = self.tree.match_prefix(req.fill_ids[:n], req.extra_key)
         assert len(new_slots) == n, "a just-inserted prefix must match in full"
         self.tree.inc_lock_ref(node)
@@ -299,7 +373,7 @@ class Scheduler:
             return True
         if self.running or self.waiting or self.chunked_req or self._inflight is not None:
             return False
-        self.tree.evict(self.tree.total_size)
+        self.tree.flush()
         return True
 
     def _pages_for(self, num_tokens: int) -> int:
@@ -397,7 +471,10 @@ class Scheduler:
         """The cached prefix of the request's tokens, leaving at least one token to compute."""
         if self.tree is None:
             return [], None
-        return self.tree.match_prefix(req.fill_ids[: req.seq_len - 1], req.extra_key)
+        key = req.fill_ids[: req.seq_len - 1]
+        if hasattr(self.tree, "match_and_load"):
+            return self.tree.match_and_load(key, req.extra_key)
+        return self.tree.match_prefix(key, req.extra_key)
 
     def _use_prefix(self, req: Req, slots: list[int], node) -> None:
         """Start the request on a matched prefix: lock it and point its table row at it."""

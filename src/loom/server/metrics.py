@@ -39,6 +39,15 @@ class Metrics:
         self.ttft = histogram("loom:time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("loom:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("loom:e2e_request_latency_seconds", "End-to-end request latency")
+        self.hicache_host_tokens = gauge(
+            "loom:hicache_host_tokens", "KV tokens held in the hierarchical cache's host tier"
+        )
+        self.hicache_host_hits = gauge(
+            "loom:hicache_host_hit_tokens", "Prompt tokens loaded back from host memory (total)"
+        )
+        self.hicache_storage_hits = gauge(
+            "loom:hicache_storage_hit_tokens", "Prompt tokens loaded from the storage tier (total)"
+        )
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -49,6 +58,10 @@ class Metrics:
         self.num_queued.set(stats["num_queued_reqs"])
         self.kv_used.set(stats["kv_used_tokens"])
         self.kv_usage.set(stats["kv_used_tokens"] / max(1, stats["kv_total_tokens"]))
+        if "hicache_host_tokens" in stats:
+            self.hicache_host_tokens.set(stats["hicache_host_tokens"])
+            self.hicache_host_hits.set(stats["hicache_host_hit_tokens"])
+            self.hicache_storage_hits.set(stats["hicache_storage_hit_tokens"])
 
     def observe_output(self, state: Any, out: Any, now: float) -> None:
         """``state`` is the engine's per-request state, before this output is applied."""

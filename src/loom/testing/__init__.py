@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from loom.testing.kits import (
     check_attention_backend,
+    check_hicache_storage,
     check_logits_processor,
     check_radix_eviction_policy,
     check_schedule_policy,
@@ -21,6 +22,7 @@ from loom.testing.kits import (
 
 __all__ = [
     "check_attention_backend",
+    "check_hicache_storage",
     "check_logits_processor",
     "check_radix_eviction_policy",
     "check_schedule_policy",

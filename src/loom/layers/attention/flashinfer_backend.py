@@ -23,6 +23,7 @@ import torch
 from loom.layers.attention.base import AttentionBackend
 
 _WORKSPACE_BYTES = 256 << 20
+_HEAD_DIMS = (64, 128, 256)  # FlashInfer's prefill kernels reject others (seen on the H200: 16)
 
 
 @functools.cache
@@ -55,6 +56,11 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
+        if ctx.head_dim not in _HEAD_DIMS:
+            raise ValueError(
+                f"the flashinfer attention backend supports head_dim {_HEAD_DIMS}, "
+                f"not {ctx.head_dim}"
+            )
         if not self.supports_dtype(ctx.dtype):
             raise ValueError(
                 f"the flashinfer attention backend has no {ctx.dtype} kernels; "

@@ -1,0 +1,546 @@
+"""The hierarchical KV cache (``--enable-hierarchical-cache``): a radix tree whose nodes live on
+the device, in host memory, or both, with an optional third tier (a ``hicache_storage`` plug-in).
+
+A node's ``value`` holds its device slots (None once evicted from the device) and ``host_kv``
+its host copy, a tensor ``[layers, 2, tokens, kv_heads, head_dim]`` (None when not backed up).
+Device-resident nodes form a subtree at the top of the tree: a node is on the device only if
+its parent is.
+
+- **Write policies** decide when device KV is copied to the host: ``write_through`` as soon as it
+  is inserted, ``write_through_selective`` once a node has been hit ``WRITE_THROUGH_THRESHOLD``
+  times, ``write_back`` only when it is evicted from the device.
+- **Device eviction** (the allocator ran dry) frees the device slots of unlocked device leaves in
+  the eviction policy's order; a node with a host copy stays in the tree, host-only. The host tier
+  evicts in the same order when it is full (host-only leaves are removed from the tree).
+- **Load-back**: admission matches on the device, continues through host-only nodes and copies
+  them back into freshly allocated device pages, then asks the storage tier for the following
+  pages (keys: :func:`~loom.mem_cache.storage.page_hashes`). On CUDA the copies run on a side
+  stream and the forward pass waits on an event, so they overlap whatever the GPU is running.
+- **Storage writes** happen in a background thread after each host backup; a store that fails
+  (raises, vanishes, turns read-only) is logged and skipped: the request recomputes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loom.mem_cache.eviction import RadixEvictionPolicy
+from loom.mem_cache.radix_cache import RadixCache, TreeNode
+from loom.mem_cache.storage import HiCacheStorage, page_hashes
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WRITE_THROUGH_THRESHOLD = 2
+
+
+class KVTransfer:
+    """Copies KV between device slots of a ``KVPool`` and host tensors."""
+
+    def __init__(self, kv_pool) -> None:
+        self.pool = kv_pool
+        self.device = kv_pool.k_buffers[0].device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
+        pool = self.pool
+        return torch.stack(
+            [
+                torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
+                for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)
+            ]
+        )
+
+    def to_host(self, slots: list[int]) -> tuple[torch.Tensor, Any]:
+        """A host copy of ``slots`` and an event that completes with it (None on CPU)."""
+        if not self.cuda:
+            return self._gather(torch.tensor(slots, dtype=torch.int64)), None
+        ready = torch.cuda.Event()
+        ready.record()  # the KV was written by work queued so far on the compute stream
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            staged = self._gather(idx)
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return host, done
+
+    def to_device(self, host: torch.Tensor, slots: list[int], pending: Any = None) -> None:
+        """Write ``host`` into device ``slots``; later device work waits for it."""
+        pool = self.pool
+        if not self.cuda:
+            idx = torch.tensor(slots, dtype=torch.int64)
+            for layer, (k, v) in enumerate(zip(pool.k_buffers, pool.v_buffers, strict=True)):
+                k.index_copy_(0, idx, host[layer, 0].to(k.dtype))
+                v.index_copy_(0, idx, host[layer, 1].to(v.dtype))
+            return
+        with torch.cuda.stream(self.stream):
+            if pending is not None:
+                self.stream.wait_event(pending)  # the host copy itself may still be arriving
+            idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            dev = host.to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(zip(pool.k_buffers, pool.v_buffers, strict=True)):
+                k.index_copy_(0, idx, dev[layer, 0])
+                v.index_copy_(0, idx, dev[layer, 1])
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        torch.cuda.current_stream().wait_event(done)
+
+
+@dataclass
+class HiCacheStats:
+    host_hit_tokens: int = 0  # loaded back from host memory
+    storage_hit_tokens: int = 0  # loaded from the storage tier
+    backup_tokens: int = 0  # copied device -> host
+    storage_write_pages: int = 0
+    storage_failures: int = 0
+
+
+class _StorageWriter:
+    """Writes host-backed pages to the storage tier in a background thread."""
+
+    def __init__(self, storage: HiCacheStorage, page_size: int, stats: HiCacheStats) -> None:
+        self.storage = storage
+        self.page_size = page_size
+        self.stats = stats
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="loom-hicache-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, keys: list[str], host: torch.Tensor, event: Any) -> None:
+        self.q.put((keys, host, event))
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                keys, host, event = item
+                if event is not None:
+                    event.synchronize()
+                have = self.storage.exists(keys)
+                todo = [i for i, h in enumerate(have) if not h]
+                if todo:
+                    ps = self.page_size
+                    pages = [host[:, :, i * ps : (i + 1) * ps] for i in todo]
+                    ok = self.storage.write([keys[i] for i in todo], pages)
+                    self.stats.storage_write_pages += sum(ok)
+            except Exception as e:  # noqa: BLE001 - a failing store costs hits, never requests
+                self.stats.storage_failures += 1
+                logger.warning("hicache storage write failed: %s", e)
+            finally:
+                self.q.task_done()
+
+    def drain(self) -> None:
+        self.q.join()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=30)
+
+
+class HiRadixCache(RadixCache):
+    def __init__(
+        self,
+        free_slots: Callable[[list[int]], None],
+        policy: RadixEvictionPolicy,
+        page_size: int,
+        *,
+        alloc_slots: Callable[[int], list[int] | None],
+        transfer: KVTransfer,
+        host_capacity_tokens: int,
+        write_policy: str = "write_through",
+        storage: HiCacheStorage | None = None,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown hicache write policy {write_policy!r}")
+        self.alloc_slots = alloc_slots
+        self.transfer = transfer
+        self.host_capacity = host_capacity_tokens - host_capacity_tokens % page_size
+        self.write_policy = write_policy
+        self.storage = storage
+        self.hstats = HiCacheStats()
+        self.host_size = 0
+        self._loading: TreeNode | None = None
+        super().__init__(free_slots, policy, page_size)
+        self.writer = None
+        if storage is not None:
+            storage.attach()
+            self.writer = _StorageWriter(storage, page_size, self.hstats)
+
+    def reset(self) -> None:
+        super().reset()
+        self.host_size = 0
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.drain()
+            self.writer.close()
+            self.writer = None
+            try:
+                self.storage.detach()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("hicache storage detach failed: %s", e)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    @staticmethod
+    def _on_device(node: TreeNode) -> bool:
+        return node.value is not None
+
+    def _path_tokens(self, node: TreeNode) -> list[int]:
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    def _storage_call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a failing store is a miss
+            self.hstats.storage_failures += 1
+            logger.warning("hicache storage %s failed: %s", getattr(fn, "__name__", fn), e)
+            return None
+
+    # ---- host tier ------------------------------------------------------------------------
+
+    def _ensure_host_room(self, n: int) -> bool:
+        if n > self.host_capacity:
+            return False
+        if self.host_size + n <= self.host_capacity:
+            return True
+        heap = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root and node.host_kv is not None and self._host_evictable(node):
+                heap.append((self.policy.key(node), node.id, node))
+        heapq.heapify(heap)
+        while self.host_size + n > self.host_capacity and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.host_kv is None or not self._host_evictable(node):
+                continue
+            parent = node.parent
+            self._drop_host(node)
+            if not self._on_device(node):
+                self._remove(node)
+                if (
+                    parent is not self.root
+                    and parent.host_kv is not None
+                    and self._host_evictable(parent)
+                ):
+                    heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+        return self.host_size + n <= self.host_capacity
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        # A device-resident node can drop its copy; a host-only node only when it is a leaf.
+        if node is self._loading:
+            return False
+        return self._on_device(node) or not node.children
+
+    def _drop_host(self, node: TreeNode) -> None:
+        if node.pending is not None:
+            node.pending.synchronize()
+            node.pending = None
+        self.host_size -= len(node.key)
+        node.host_kv = None
+
+    def _remove(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._child_key(node.key, node.extra_key, parent)]
+        self.policy.on_remove(node)
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Copy a device node to host memory (and queue it for the storage tier)."""
+        if node.host_kv is not None:
+            return True
+        if not self._ensure_host_room(len(node.key)):
+            return False
+        node.host_kv, node.pending = self.transfer.to_host(node.value)
+        self.host_size += len(node.key)
+        self.hstats.backup_tokens += len(node.key)
+        if self.writer is not None:
+            path = self._path_tokens(node)
+            keys = page_hashes(path, self.page_size, node.extra_key)[
+                -(len(node.key) // self.page_size) :
+            ]
+            self.writer.submit(keys, node.host_kv, node.pending)
+        return True
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    def match_prefix(self, key, extra_key=None):
+        """The device-resident part of the match (see ``match_and_load`` for the rest)."""
+        now = self._tick()
+        key_t = tuple(key[: self._aligned(len(key))])
+        node, slots = self.root, []
+        while key_t:
+            child = node.children.get(self._child_key(key_t, extra_key, node))
+            if child is None or not self._on_device(child):
+                break
+            n = self._common(child.key, key_t)
+            if n < len(child.key):
+                if n == 0:
+                    break
+                child = self._split(child, n, now)
+            self._touch(child, now, hit=True)
+            if (
+                self.write_policy == "write_through_selective"
+                and child.hit_count >= WRITE_THROUGH_THRESHOLD
+            ):
+                self._backup(child)
+            slots += child.value
+            node, key_t = child, key_t[n:]
+        return slots, node
+
+    def match_and_load(self, key: list[int], extra_key: Hashable = None):
+        """Match on the device, then load the continuation back from host memory and from the
+        storage tier into new device pages. Returns (device slots of the whole match, its last
+        node), like ``match_prefix``."""
+        slots, node = self.match_prefix(key, extra_key)
+        key_t = tuple(key[len(slots) : self._aligned(len(key))])
+        self.inc_lock_ref(node)  # nothing on the path may be evicted while loading
+        locked = [node]
+        try:
+            now = self._tick()
+            while key_t:
+                child = node.children.get(self._child_key(key_t, extra_key, node))
+                if child is None or self._on_device(child) or child.host_kv is None:
+                    break
+                n = self._common(child.key, key_t)
+                if n == 0:
+                    break
+                if n < len(child.key):
+                    child = self._split(child, n, now)
+                self._loading = child  # its host copy must survive the allocation's evictions
+                try:
+                    dev = self.alloc_slots(n)
+                finally:
+                    self._loading = None
+                if dev is None:
+                    break
+                self.transfer.to_device(child.host_kv, dev, child.pending)
+                child.value = dev
+                self.evictable_size += n
+                self._touch(child, now, hit=True)
+                self.inc_lock_ref(child)  # counts its tokens as protected
+                locked.append(child)
+                self.hstats.host_hit_tokens += n
+                slots += dev
+                node, key_t = child, key_t[n:]
+            if key_t and self.storage is not None and not self._has_child(node, key_t, extra_key):
+                got = self._load_from_storage(node, list(key_t), extra_key, now)
+                if got is not None:
+                    self.inc_lock_ref(got)
+                    locked.append(got)
+                    slots += got.value
+                    node = got
+        finally:
+            for n_ in locked:
+                self.dec_lock_ref(n_)
+        return slots, node
+
+    def _has_child(self, node, key_t, extra_key) -> bool:
+        return self._child_key(key_t, extra_key, node) in node.children
+
+    def _load_from_storage(self, node, rest: list[int], extra_key, now) -> TreeNode | None:
+        ps = self.page_size
+        prefix = self._path_tokens(node)
+        keys = page_hashes(prefix + rest, ps, extra_key)[len(prefix) // ps :]
+        if not keys:
+            return None
+        have = self._storage_call(self.storage.exists, keys) or []
+        run = 0
+        while run < len(have) and have[run]:
+            run += 1
+        if run == 0:
+            return None
+        pages = self._storage_call(self.storage.read, keys[:run]) or []
+        pool = self.transfer.pool
+        shape = (len(pool.k_buffers), 2, ps, pool.num_kv_heads, pool.head_dim)
+        good = []
+        for p in pages:
+            if p is None or tuple(p.shape) != shape or p.dtype != pool.dtype:
+                break
+            good.append(p)
+        if not good:
+            return None
+        host = torch.cat(good, dim=2)
+        n = host.shape[2]
+        dev = self.alloc_slots(n)
+        if dev is None:
+            return None
+        self.transfer.to_device(host, dev)
+        new = TreeNode(node, tuple(rest[:n]), dev, extra_key, now)
+        node.children[self._child_key(new.key, extra_key, node)] = new
+        self.evictable_size += n
+        self.policy.on_insert(new)
+        if self._ensure_host_room(n):
+            new.host_kv = host if not self.transfer.cuda else host.pin_memory()
+            self.host_size += n
+        self.hstats.storage_hit_tokens += n
+        return new
+
+    # ---- inserts --------------------------------------------------------------------------
+
+    def cache(self, key, value, extra_key=None, priority=0):
+        """Like the base ``cache``; a host-only node on the path is revived with the caller's
+        slots (they become its device copy) instead of being treated as a duplicate."""
+        now = self._tick()
+        n_aligned = self._aligned(len(key))
+        key_t, rest = tuple(key[:n_aligned]), list(value[:n_aligned])
+        give_back: list[int] = list(value[n_aligned:])
+        node = self.root
+        path = []
+        while key_t:
+            ck = self._child_key(key_t, extra_key, node)
+            child = node.children.get(ck)
+            if child is None:
+                new = TreeNode(node, key_t, rest, extra_key, now)
+                new.priority = priority
+                node.children[ck] = new
+                self.evictable_size += len(key_t)
+                self.policy.on_insert(new)
+                path.append(new)
+                node = new
+                break
+            n = self._common(child.key, key_t)
+            if n < len(child.key):
+                child = self._split(child, n, now)
+            if self._on_device(child):
+                give_back += rest[:n]
+            elif self._on_device(node):
+                child.value = rest[:n]  # revive: the caller's slots become the device copy
+                self.evictable_size += n
+            else:  # cannot revive under a host-only parent; keep the caller's copy out
+                give_back += rest
+                break
+            self._touch(child, now, hit=False)
+            child.priority = max(child.priority, priority)
+            path.append(child)
+            node, key_t, rest = child, key_t[n:], rest[n:]
+        while node.parent is not None and node.parent is not self.root:
+            node.parent.priority = max(node.parent.priority, node.priority)
+            node = node.parent
+        if self.write_policy == "write_through":
+            for p in path:
+                if self._on_device(p):
+                    self._backup(p)
+        return give_back
+
+    def insert(self, key, value, extra_key=None, priority=0):
+        give_back = self.cache(key, value, extra_key, priority)
+        return len(give_back) - (len(key) - self._aligned(len(key)))
+
+    # ---- device eviction ------------------------------------------------------------------
+
+    def _device_leaves(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            kids = [c for c in node.children.values() if self._on_device(c)]
+            stack.extend(kids)
+            if node is not self.root and not kids and node.lock_ref == 0:
+                out.append(node)
+        return out
+
+    def evict(self, num_tokens: int) -> int:
+        heap = [(self.policy.key(n), n.id, n) for n in self._device_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.host_kv is None and (self.write_policy == "write_back" or node.children):
+                self._backup(node)
+            if node.host_kv is None:
+                self._drop_subtree(node)
+                self._remove(node)
+            if node.pending is not None:  # its device slots are about to be reused
+                node.pending.synchronize()
+                node.pending = None
+            self.free_slots(list(node.value))
+            freed += len(node.value)
+            self.num_evicted_tokens += len(node.value)
+            self.evictable_size -= len(node.key)
+            node.value = None
+            parent = node.parent
+            if (
+                parent is not self.root
+                and parent.lock_ref == 0
+                and not any(self._on_device(c) for c in parent.children.values())
+            ):
+                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+        return freed
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove ``node``'s (host-only) descendants."""
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+            if child.host_kv is not None:
+                self._drop_host(child)
+            self._remove(child)
+
+    def flush(self) -> None:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root and node.value:
+                if node.pending is not None:
+                    node.pending.synchronize()
+                self.free_slots(list(node.value))
+        self.reset()
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def all_slots(self) -> list[int]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out += node.value or []
+            stack.extend(node.children.values())
+        return out
+
+    def check(self) -> None:
+        evictable = protected = host = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for ck, child in node.children.items():
+                assert child.parent is node, "broken parent link"
+                assert ck == self._child_key(child.key, child.extra_key, node), "bad child key"
+                assert child.key and len(child.key) % self.page_size == 0, "bad edge"
+                if self._on_device(child):
+                    assert len(child.value) == len(child.key), "bad device value"
+                    assert node is self.root or self._on_device(node), "device under host-only"
+                    if child.lock_ref > 0:
+                        protected += len(child.key)
+                    else:
+                        evictable += len(child.key)
+                else:
+                    assert child.host_kv is not None, "a node with neither device nor host KV"
+                    assert child.lock_ref == 0, "a locked host-only node"
+                if child.host_kv is not None:
+                    assert child.host_kv.shape[2] == len(child.key), "bad host copy"
+                    host += len(child.key)
+                stack.append(child)
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
+            "sizes do not add up"
+        )
+        assert host == self.host_size <= self.host_capacity, "host size does not add up"
+        slots = self.all_slots()
+        assert len(slots) == len(set(slots)), "a slot is in the tree twice"
