@@ -155,3 +155,43 @@ def test_flashinfer_bf16_graphs_match_torch_native(tmp_path):
             a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)
         )
         assert same / sum(map(len, want)) >= 0.9, (graphs, got, want)
+
+
+def test_hierarchical_cache_on_cuda_loads_back_through_the_copy_stream(tiny_dir, tmp_path):
+    """Host tier and file storage on the GPU: device-to-host copies and load-back run on a side
+    stream; outputs equal those without any cache, and repeats hit in host memory/storage."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, TINY["vocab_size"], (40,), generator=gen).tolist() for _ in range(8)
+    ]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    base = dict(
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="float32",  # exact: prefix reuse must not change greedy tokens
+        skip_tokenizer_init=True,
+        max_total_tokens=96,
+        page_size=4,
+        max_running_requests=2,
+    )
+    with loom.Engine(disable_radix_cache=True, **base) as e:
+        want = [e.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    kw = dict(
+        base,
+        enable_hierarchical_cache=True,
+        hicache_ratio=5,
+        hicache_storage_backend="file",
+        hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path / "kv")}),
+    )
+    with loom.Engine(**kw) as e:
+        for _ in range(2):
+            outs = [e.generate(input_ids=p, sampling_params=params) for p in prompts]
+            assert [o["output_ids"] for o in outs] == want
+        assert all(o["meta_info"]["cached_tokens"] == 36 for o in outs)
+        assert e.scheduler.tree.hstats.host_hit_tokens >= 8 * 36
+        e.scheduler.check_kv_balance()
+        e.scheduler.tree.check()
+    with loom.Engine(**kw) as e:  # a new engine: hits come from the storage tier
+        outs = [e.generate(input_ids=p, sampling_params=params) for p in prompts[:2]]
+        assert [o["output_ids"] for o in outs] == want[:2]
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [36, 36]
