@@ -141,6 +141,24 @@ def test_chat_greedy_equals_engine(client, engine):
     assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
 
 
+def test_cache_salt_namespaces_the_prefix_cache(client):
+    """Same messages: a new salt gets no cached tokens, a repeated salt gets them."""
+    msgs = [{"role": "user", "content": "Name three rivers in Europe, briefly."}]
+
+    def cached(**extra):
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=msgs, max_tokens=4, temperature=0,
+            extra_body=extra,
+        )  # fmt: skip
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content
+
+    a = cached(cache_salt="tenant-a", priority=2)
+    b = cached(cache_salt="tenant-b")
+    a2 = cached(cache_salt="tenant-a")
+    assert a[0] == 0 and b[0] == 0 and a2[0] > 0
+    assert a[1] == b[1] == a2[1]
+
+
 def test_chat_stream_equals_non_stream(client):
     kwargs = dict(
         model="smollm2-135m-instruct",
@@ -328,6 +346,9 @@ BAD = [
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -2}}, 400, "temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, None),
     ("/abort_request", {}, 400, "rid"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": 5}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "priority": "high"}, 400, "priority"),
+    ("/generate", {"text": "hi", "extra_key": 3}, 400, None),
 ]
 
 
