@@ -12,6 +12,12 @@ BUILTINS: dict[str, dict[str, str]] = {
         "flash_attention": "loom.layers.attention.flash_attention_backend:FlashAttentionBackend",
         "flashinfer": "loom.layers.attention.flashinfer_backend:FlashInferAttnBackend",
     },
+    "grammar_backend": {
+        "xgrammar": "loom.constrained.xgrammar_backend:XGrammarBackend",
+        "llguidance": "loom.constrained.llguidance_backend:LLGuidanceBackend",
+        "reasoner": "loom.constrained.reasoner:ReasonerBackend",
+        "none": "loom.constrained.manager:NoGrammarBackend",
+    },
     "model_loader": {
         "auto": "loom.model_loader.loaders:AutoLoader",
         "safetensors": "loom.model_loader.loaders:SafetensorsLoader",
@@ -50,6 +56,8 @@ REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("attention_backend", "triton"): ("triton",),
     ("attention_backend", "flash_attention"): ("triton",),
     ("attention_backend", "flashinfer"): ("flashinfer",),
+    ("grammar_backend", "xgrammar"): ("xgrammar",),
+    ("grammar_backend", "llguidance"): ("llguidance",),
 }
 
 

@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(b)
     b.set_defaults(func=lambda ns: run_prefix(ns, _server_kwargs(ns)))
 
+    from loom.bench.structured import add_structured_args, run_structured
+
+    b = bench.add_parser("structured", help="constrained vs unconstrained decoding, compile times")
+    add_structured_args(b)
+    ServerArgs.add_cli_args(b)
+    b.set_defaults(func=lambda ns: run_structured(ns, _server_kwargs(ns)))
+
     from loom.bench.serving import add_serving_args, run_serving
 
     b = bench.add_parser("serving", help="send HTTP streaming requests to a running server")

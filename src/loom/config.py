@@ -125,6 +125,38 @@ class ServerArgs:
         default=False, metadata=_arg("Do not share KV between requests with a common prefix.")
     )
 
+    # Structured output
+    grammar_backend: str = field(
+        default="xgrammar",
+        metadata=_arg("Structured-output backend (none: off).", family="grammar_backend"),
+    )
+    reasoner_grammar_backend: str = field(
+        default="xgrammar",
+        metadata=_arg(
+            "The backend that --grammar-backend reasoner wraps.",
+            choices=("xgrammar", "llguidance"),
+        ),
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_arg(
+            "Reasoning model preset (its think-end token): deepseek-r1, qwen3, glm45, kimi.",
+            choices=("deepseek-r1", "qwen3", "glm45", "kimi"),
+        ),
+    )
+    think_end_token: str | None = field(
+        default=None,
+        metadata=_arg("The string that ends thinking (overrides --reasoning-parser's)."),
+    )
+    think_budget: int | None = field(
+        default=None,
+        metadata=_arg("reasoner: force the think-end token after this many thinking tokens."),
+    )
+    grammar_compile_timeout: float = field(
+        default=60.0,
+        metadata=_arg("Seconds a constraint may take to compile before its request fails."),
+    )
+
     # Hierarchical KV cache
     enable_hierarchical_cache: bool = field(
         default=False,
@@ -232,6 +264,16 @@ class ServerArgs:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.schedule_conservativeness < 0:
             raise ValueError("schedule_conservativeness must be >= 0")
+        if self.grammar_backend == "reasoner" and not (
+            self.think_end_token or self.reasoning_parser
+        ):
+            raise ValueError(
+                "--grammar-backend reasoner needs --think-end-token or --reasoning-parser"
+            )
+        if self.think_budget is not None and self.think_budget < 0:
+            raise ValueError("think_budget must be >= 0")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("grammar_compile_timeout must be > 0")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ValueError("hicache_ratio must be > 0 and hicache_size >= 0")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
@@ -249,7 +291,8 @@ class ServerArgs:
                 raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
                 raise ValueError(
                     f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )

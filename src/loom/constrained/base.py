@@ -1,4 +1,16 @@
-"""The grammar_backend family (structured output). Built-ins arrive with the grammar issue."""
+"""The grammar_backend family (structured output).
+
+A backend compiles a constraint — ``kind`` in ``json_schema | regex | ebnf | structural_tag`` and
+its text — into a grammar, and makes per-request matchers from it. Each decode step the scheduler
+asks every constrained request's matcher to fill its row of a token bitmask (on the host, while
+the device runs the forward pass), applies the mask to the logits in place with the library's own
+kernel, samples, and feeds the chosen token back with ``accept_token``. A matcher that reaches
+its grammar's end (``is_terminated``) finishes its request.
+
+Built-ins (``--grammar-backend``): ``xgrammar`` (default), ``llguidance``, ``none`` (structured
+output off: constrained requests get a 400), and ``reasoner``, which wraps either of the first two
+(``--reasoner-grammar-backend``) and leaves output free until the think-end token.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +19,17 @@ from typing import Any
 
 import torch
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
 
 class GrammarMatcher(ABC):
     """Per-request matcher state over one compiled grammar.
 
-    Invariants: ``accept_token`` returns False (and leaves the state unchanged) for a token the
-    grammar forbids; ``rollback(k)`` undoes the last k accepted tokens; ``fill_vocab_mask`` writes
-    this matcher's allowed-token bitmask into row ``row`` of ``mask`` and never touches other rows;
-    ``copy`` gives an independent matcher in the same state (for ``n > 1``).
+    Invariants (``loom.testing.check_grammar_backend``): ``accept_token`` returns False (and
+    leaves the state unchanged) for a token the grammar forbids; ``rollback(k)`` undoes the last
+    k accepted tokens; ``fill_vocab_mask`` writes this matcher's allowed-token bitmask into row
+    ``row`` of ``mask`` and never touches other rows; ``copy`` gives an independent matcher in
+    the same state (for ``n > 1``).
     """
 
     @abstractmethod
@@ -34,15 +49,24 @@ class GrammarMatcher(ABC):
 
 
 class GrammarBackend(ABC):
-    """Compiles constraints (kind in json_schema | regex | ebnf | structural_tag) into matchers.
+    """Compiles constraints into matchers.
 
-    ``compile`` may be slow and is called off the scheduler loop; results are cached by
-    (kind, text). An invalid constraint raises ValueError naming the problem.
+    ``compile`` may be slow and is called off the scheduler loop (a thread pool; the caller
+    caches results by (kind, text)); an invalid constraint raises ValueError naming the problem.
+    ``tokenizer`` is the model's HF tokenizer, ``vocab_size`` the width of the logits (may exceed
+    the tokenizer's), ``stop_token_ids`` the ids that end generation (EOS).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, **options: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int] | None = None,
+        **options: Any,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids or [])
         self.options = options
 
     @abstractmethod
@@ -52,7 +76,17 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
 
     @abstractmethod
-    def allocate_vocab_mask(self, batch_size: int, device: torch.device) -> torch.Tensor: ...
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        """A host bitmask for ``batch_size`` rows (int32, 32 tokens per word), all allowed."""
 
     @abstractmethod
-    def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None: ...
+    def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """Set disallowed logits to -inf in place; ``mask`` is on ``logits``' device."""
+
+    @staticmethod
+    def reset_vocab_mask(mask: torch.Tensor) -> None:
+        mask.fill_(-1)  # every bit set: everything allowed
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (HTTP 400)."""

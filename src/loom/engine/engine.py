@@ -76,6 +76,7 @@ class Engine:
         self.loader = plugins.resolve("model_loader", args.load_format)()
         self.hf_config = self.loader.load_hf_config(self.model_path)
         self.tokenizer_manager: TokenizerManager | None = None
+        self._grammar_mgr = None
         tokenizer = None
         if not args.skip_tokenizer_init:
             path = args.tokenizer_path or self.model_path
@@ -254,7 +255,30 @@ class Engine:
             proc.validate_params(params.custom_params)
         if params.stop and self.tokenizer_manager is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        if params.constraint is not None:
+            self._check_constraint(*params.constraint)
         return list(input_ids), params
+
+    def _grammar_manager(self):
+        if self._grammar_mgr is None:
+            from loom.constrained.manager import GrammarManager, build_grammar_backend
+
+            tok, args, vocab = self.tokenizer, self.server_args, self.vocab_size
+            eos = set(self.eos_token_ids)
+            self._grammar_mgr = GrammarManager(lambda: build_grammar_backend(args, tok, vocab, eos))
+        return self._grammar_mgr
+
+    def _check_constraint(self, kind: str, text: str) -> None:
+        """Compile the constraint now (cached), so that a bad one is refused at submit time."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if self.tokenizer_manager is None:
+            raise ValueError(f"{kind} needs a tokenizer (started with --skip-tokenizer-init)")
+        timeout = self.server_args.grammar_compile_timeout
+        try:
+            self._grammar_manager().compile(kind, text, timeout=timeout)
+        except FutureTimeout as e:
+            raise ValueError(f"{kind} took longer than {timeout} s to compile") from e
 
     def _submit(
         self,
@@ -483,6 +507,8 @@ class Engine:
         if not self._stopped.is_set():
             self._stopped.set()
             self.backend.shutdown()
+            if self._grammar_mgr is not None:
+                self._grammar_mgr.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,14 +15,13 @@ _NOT_YET = {
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
     "logit_bias": None,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
     "n": 1,
     "no_stop_trim": False,
     "spaces_between_special_tokens": True,
 }
+
+
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -38,6 +38,11 @@ class SamplingParams:
     sampling_seed: int | None = None
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] = field(default_factory=dict)
+    # Structured output: at most one (a JSON schema may be given as an object or its text).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -61,6 +66,9 @@ class SamplingParams:
         if isinstance(proc, dict):  # {"name": ..., "params": {...}}
             d["custom_logit_processor"] = proc.get("name")
             d.setdefault("custom_params", proc.get("params") or {})
+        for key in ("json_schema", "structural_tag"):
+            if isinstance(d.get(key), (dict, list)):
+                d[key] = json.dumps(d[key])
         params = cls(**d)
         params.validate()
         return params
@@ -89,6 +97,22 @@ class SamplingParams:
             raise bad("sampling_seed", "must be an integer")
         if not isinstance(self.custom_params, dict):
             raise bad("custom_params", "must be a JSON object")
+        given = [k for k in CONSTRAINTS if getattr(self, k) is not None]
+        for k in given:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise bad(k, "must be a non-empty string")
+        if len(given) > 1:
+            raise ValueError(
+                f"at most one of {', '.join(CONSTRAINTS)} per request, got {', '.join(given)}"
+            )
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's structured-output constraint, if any."""
+        for k in CONSTRAINTS:
+            if getattr(self, k) is not None:
+                return k, getattr(self, k)
+        return None
 
     @property
     def is_greedy(self) -> bool:

@@ -41,6 +41,10 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from a prefix cache
         self.num_retractions = 0
         self.arrival_time = time.monotonic()
+        # Structured output: the compile future while queued, then the matcher.
+        self.grammar_future = None
+        self.grammar_deadline = 0.0
+        self.grammar = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -127,6 +128,9 @@ class Scheduler:
             else:
                 self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
         self._inflight: _InflightDecode | None = None
+        # Structured output: requests whose grammar is compiling wait here, off the batch.
+        self.grammar_queue: list[Req] = []
+        self.grammar_mgr = None
 
     def _build_hicache(self, policy):
         import json
@@ -190,6 +194,8 @@ class Scheduler:
     def close(self) -> None:
         if self.tree is not None:
             self.tree.close()
+        if self.grammar_mgr is not None:
+            self.grammar_mgr.close()
 
     # ---- intake ---------------------------------------------------------------------------
 
@@ -197,8 +203,67 @@ class Scheduler:
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
             return [self._output(req, [])]
+        constraint = req.sampling_params.constraint
+        if constraint is not None:
+            try:
+                req.grammar_future = self._grammar().submit(*constraint)
+            except Exception as e:  # noqa: BLE001 - no tokenizer, bad backend options
+                return [self._fail(req, f"structured output unavailable: {e}")]
+            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout
+            self.grammar_queue.append(req)
+            return []
         self.waiting.append(req)
         return []
+
+    def _grammar(self):
+        if self.grammar_mgr is None:
+            from loom.constrained.manager import GrammarManager, build_grammar_backend
+
+            args, runner = self.args, self.runner
+            stop = set(self.eos_token_ids)
+
+            def make():
+                path = args.tokenizer_path or runner.model_path
+                tokenizer = runner.loader.load_tokenizer(path)
+                if tokenizer is None:
+                    raise ValueError(f"no tokenizer at {path}")
+                return build_grammar_backend(args, tokenizer, runner.vocab_size, stop)
+
+            self.grammar_mgr = GrammarManager(make)
+        return self.grammar_mgr
+
+    def _poll_grammars(self) -> list[ReqOutput]:
+        """Move requests whose grammar compiled to the waiting queue; fail the others."""
+        if not self.grammar_queue:
+            return []
+        outputs, still = [], []
+        now = time.monotonic()
+        for req in self.grammar_queue:
+            fut = req.grammar_future
+            if fut.done():
+                try:
+                    req.grammar = self.grammar_mgr.backend.matcher(fut.result())
+                except Exception as e:  # noqa: BLE001 - GrammarError or the library's own
+                    outputs.append(self._fail(req, f"grammar compilation failed: {e}"))
+                    continue
+                req.grammar_future = None
+                self.waiting.append(req)
+            elif now > req.grammar_deadline:
+                outputs.append(
+                    self._fail(
+                        req,
+                        f"grammar compilation timed out after {self.args.grammar_compile_timeout} s",
+                    )
+                )
+            else:
+                still.append(req)
+        self.grammar_queue = still
+        return outputs
+
+    def _fail(self, req: Req, message: str) -> ReqOutput:
+        req.error = message
+        req.finished_reason = {"type": "abort", "message": message}
+        return self._output(req, [])
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
@@ -211,6 +276,7 @@ class Scheduler:
             or self.chunked_req
             or self._aborts
             or self._inflight is not None
+            or self.grammar_queue
         )
 
     # ---- the step -------------------------------------------------------------------------
@@ -229,6 +295,7 @@ class Scheduler:
                 return outputs
             outputs += self._resolve(self._inflight)
             self._inflight = None
+        outputs += self._poll_grammars()
         outputs += self._apply_aborts()
         items = self._schedule_extend()
         if items:
@@ -240,6 +307,11 @@ class Scheduler:
                 if not self.overlap:
                     outputs += self._resolve(self._inflight)
                     self._inflight = None
+        elif self.grammar_queue and not outputs:
+            # Only compiles are pending: wait a little for one instead of spinning.
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait([r.grammar_future for r in self.grammar_queue], 0.005, FIRST_COMPLETED)
         return outputs
 
     # ---- aborts ---------------------------------------------------------------------------
@@ -249,6 +321,10 @@ class Scheduler:
             return []
         outputs = []
         rids, self._aborts = self._aborts, set()
+        for req in [r for r in self.grammar_queue if r.rid in rids]:
+            self.grammar_queue.remove(req)
+            req.finished_reason = {"type": "abort", "message": "aborted"}
+            outputs.append(self._output(req, []))
         for queue in (self.waiting, self.running):
             for req in [r for r in queue if r.rid in rids]:
                 queue.remove(req)
@@ -574,6 +650,8 @@ class Scheduler:
             p = req.sampling_params
             if p.custom_logit_processor or len(req.output_ids) + 2 > p.max_new_tokens:
                 return False
+            if req.grammar is not None:  # the next mask needs this step's token
+                return False
             if req.seq_len + 2 >= self.context_len:
                 return False
         need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
@@ -626,13 +704,33 @@ class Scheduler:
         )
         if info.processors:
             logits = apply_logits_processors(logits, info, params, [r.fill_ids for r in reqs])
+        if any(r.grammar is not None for r in reqs):
+            self._apply_grammar_masks(logits, reqs)
         return sample(logits, info)
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """Each constrained row's allowed tokens, filled on the host (on a GPU this overlaps
+        the forward pass just launched) and applied in place with the library's kernel."""
+        backend = self.grammar_mgr.backend
+        mask = backend.allocate_vocab_mask(len(reqs))
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                req.grammar.fill_vocab_mask(mask, i)
+        backend.apply_vocab_mask(logits, mask.to(logits.device, non_blocking=True))
 
     def _append_token(self, req: Req, token: int) -> ReqOutput:
         req.output_ids.append(token)
         self.stats.num_generated_tokens += 1
         p = req.sampling_params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if req.grammar is not None:
+            if not req.grammar.accept_token(token):
+                req.error = f"the grammar rejected token {token}"
+                req.finished_reason = {"type": "abort", "message": req.error}
+            elif req.grammar.is_terminated():
+                req.finished_reason = {"type": "stop", "matched": token}
+        if req.is_finished:  # by the grammar
+            pass
+        elif token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             req.finished_reason = {"type": "stop", "matched": token}
         elif len(req.output_ids) >= p.max_new_tokens:
             req.finished_reason = {"type": "length", "length": p.max_new_tokens}

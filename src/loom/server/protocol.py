@@ -4,6 +4,7 @@ yet are refused with a 400 that names them: nothing is silently ignored."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,14 +55,10 @@ _LATER = {
     "logprobs": (False, None, 0),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
     "min_tokens": (0, None),
-    "regex": (None,),
-    "ebnf": (None,),
-    "json_schema": (None,),
     "echo": (False, None),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -103,6 +100,47 @@ class ParsedRequest:
     extra_key: str | None = None  # OpenAI's cache_salt: a prefix-cache namespace
 
 
+def _constraints(body: dict[str, Any], sampling: dict[str, Any]) -> None:
+    """OpenAI ``response_format`` and the ``regex`` / ``ebnf`` extra fields -> one constraint."""
+    given = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise bad('response_format must be an object with a "type"', "response_format")
+        kind = fmt["type"]
+        if kind == "json_object":
+            sampling["json_schema"] = '{"type": "object"}'
+            given.append("response_format")
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad(
+                    'response_format json_schema needs {"json_schema": {"name": ..., '
+                    '"schema": {...}}}',
+                    "response_format",
+                )
+            sampling["json_schema"] = json.dumps(schema)
+            given.append("response_format")
+        elif kind == "structural_tag":
+            sampling["structural_tag"] = json.dumps(fmt)
+            given.append("response_format")
+        elif kind != "text":
+            raise bad(f"unknown response_format type {kind!r}", "response_format")
+    for key in ("regex", "ebnf"):
+        value = body.get(key)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise bad(f"{key} must be a non-empty string", key)
+            sampling[key] = value
+            given.append(key)
+    if len(given) > 1:
+        raise bad(
+            f"at most one of response_format, regex, ebnf per request, got {', '.join(given)}",
+            given[-1],
+        )
+
+
 def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -130,6 +168,9 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
             "no_stop_trim",
             "priority",
             "cache_salt",
+            "response_format",
+            "regex",
+            "ebnf",
         }
     )
     for key in body:
@@ -186,6 +227,7 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     for key in ("custom_logit_processor", "custom_params"):
         if body.get(key) is not None:
             sampling[key] = body[key]
+    _constraints(body, sampling)
     priority = _num(body, "priority", integer=True)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):

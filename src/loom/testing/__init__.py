@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from loom.testing.kits import (
     check_attention_backend,
+    check_grammar_backend,
     check_hicache_storage,
     check_logits_processor,
     check_radix_eviction_policy,
@@ -22,6 +23,7 @@ from loom.testing.kits import (
 
 __all__ = [
     "check_attention_backend",
+    "check_grammar_backend",
     "check_hicache_storage",
     "check_logits_processor",
     "check_radix_eviction_policy",

@@ -1,0 +1,119 @@
+"""The ``llguidance`` grammar backend: Microsoft's llguidance (Earley parser over a lexer).
+
+JSON schemas compile without free whitespace and in strict mode, as with ``xgrammar``: an object
+schema that does not say ``additionalProperties`` gets ``false`` (llguidance alone would allow
+any extra key, and a small model can wander into an endless key string). EBNF
+(GBNF syntax, ``root`` rule) is converted to Lark with llguidance's own converter;
+``structural_tag`` is not supported (use ``xgrammar``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from loom.constrained.base import GrammarBackend, GrammarError, GrammarMatcher
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def strict_schema(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema without ``additionalProperties`` has it
+    set to false (xgrammar's strict mode)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(v) for v in out[key]]
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    return out
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self.m = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        # try_consume_tokens leaves the state unchanged when the token is refused
+        return self.m.try_consume_tokens([token_id]) == 1
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+
+    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.m, mask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self.m.is_stopped())
+
+    def copy(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.m.deep_copy())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    def __init__(self, tokenizer, vocab_size, stop_token_ids=None, **options) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, **options)
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        self.lltok = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids or None
+        )
+
+    def compile(self, kind: str, text: str) -> Any:
+        ll = self._ll
+        try:
+            if kind == "json_schema":
+                grammar = ll.LLMatcher.grammar_from_json_schema(
+                    json.dumps(strict_schema(json.loads(text))),
+                    defaults={"whitespace_flexible": False},
+                )
+            elif kind == "regex":
+                grammar = ll.LLMatcher.grammar_from_regex(text)
+            elif kind == "ebnf":
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                grammar = ll.LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+            elif kind == "structural_tag":
+                raise GrammarError("structural_tag needs --grammar-backend xgrammar")
+            else:
+                raise GrammarError(f"unknown constraint kind {kind!r}")
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise GrammarError(f"{kind} is invalid: {e}") from e
+        error = ll.LLMatcher.validate_grammar(grammar, self.lltok)
+        if error:
+            raise GrammarError(f"{kind} is invalid: {error}")
+        return grammar
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        m = self._ll.LLMatcher(self.lltok, compiled, log_level=0)
+        if m.is_error():
+            raise GrammarError(m.get_error())
+        return LLGuidanceMatcher(m)
+
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        from llguidance.torch import allocate_token_bitmask
+
+        return allocate_token_bitmask(batch_size, self.vocab_size)
+
+    def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        from llguidance.torch import apply_token_bitmask_inplace
+
+        apply_token_bitmask_inplace(logits, mask)

@@ -1,0 +1,71 @@
+"""The ``xgrammar`` grammar backend (default): XGrammar's compiler, matchers and bitmask kernels.
+
+JSON schemas compile without free whitespace (``any_whitespace=False``: compact JSON), which
+keeps small models from looping on blank lines, and in strict mode (no properties beyond the
+schema's unless it says ``additionalProperties``). EBNF is XGrammar's GBNF dialect with a
+``root`` rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loom.constrained.base import GrammarBackend, GrammarError, GrammarMatcher
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self.m = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.m.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+
+    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(mask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self.m.is_terminated())
+
+    def copy(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self.m.fork())
+
+
+class XGrammarBackend(GrammarBackend):
+    def __init__(self, tokenizer, vocab_size, stop_token_ids=None, **options) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, **options)
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None
+        )
+        self.compiler = xgr.GrammarCompiler(info, max_threads=int(options.get("max_threads", 4)))
+
+    def compile(self, kind: str, text: str) -> Any:
+        c = self.compiler
+        try:
+            if kind == "json_schema":
+                return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return c.compile_regex(text)
+            if kind == "ebnf":
+                return c.compile_grammar(text)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(text)
+        except Exception as e:  # noqa: BLE001 - the library raises several types; all are 400s
+            raise GrammarError(f"{kind} is invalid: {e}") from e
+        raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        return self._xgr.allocate_token_bitmask(batch_size, self.vocab_size)
+
+    def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)

@@ -1,0 +1,252 @@
+"""Structured output on SmolLM2: every output validates (jsonschema) for xgrammar and
+llguidance, greedy and sampled, in batches mixed with unconstrained requests whose outputs equal
+their outputs alone; regex and EBNF outputs fully match; the reasoner frees output until the
+think-end token; bad constraints are refused."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+import loom
+from loom import plugins
+from loom.bench.json_schemas import SCHEMAS
+from loom.testing import check_grammar_backend
+from tests.conftest import CHAT_PROMPTS, chat_ids
+
+BACKENDS = ["xgrammar", "llguidance"]
+FREE = {"max_new_tokens": 24, "temperature": 0}
+
+
+def _validate(text: str, schema: dict) -> None:
+    jsonschema.validate(
+        json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def gengine(request):
+    with loom.Engine(grammar_backend=request.param, max_total_tokens=32768) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def free_reference(engine):
+    return [
+        engine.generate(input_ids=chat_ids(engine, p), sampling_params=FREE)["output_ids"]
+        for p in CHAT_PROMPTS[:3]
+    ]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_grammar_backend_kit(engine, name):
+    check_grammar_backend(name, engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
+
+
+def test_reasoner_matcher_states(engine):
+    """Free while thinking (row untouched), forced think-end after the budget, then the inner
+    grammar; rollback across the boundary and copies restore/keep state."""
+    from loom.constrained.reasoner import ReasonerBackend
+
+    tok = engine.tokenizer
+    b = ReasonerBackend(
+        tok,
+        engine.vocab_size,
+        sorted(engine.eos_token_ids),
+        think_end_token="</think>",
+        think_budget=3,
+    )
+    end = b.end_ids
+    m = b.matcher(b.compile("regex", "[0-9]+"))
+    mask = b.allocate_vocab_mask(2)
+    b.reset_vocab_mask(mask)
+    m.fill_vocab_mask(mask, 0)
+    assert (mask == -1).all()  # thinking: everything allowed
+    hello = tok.encode(" hello there friend", add_special_tokens=False)[:3]
+    for t in hello:
+        assert m.accept_token(t)
+    snap = m.copy()
+    b.reset_vocab_mask(mask)
+    m.fill_vocab_mask(mask, 1)
+    allowed = [int(i) for i in (mask[1].to(torch.int64) & 0xFFFFFFFF).nonzero()]
+    assert len(allowed) == 1 and int(mask[1, end[0] // 32]) != 0  # only the think-end id
+    assert not m.accept_token(hello[0])
+    for t in end:
+        assert m.accept_token(t)
+    assert not m.accept_token(tok.encode("abc", add_special_tokens=False)[0])  # grammar now
+    assert m.accept_token(tok.encode("7", add_special_tokens=False)[0])
+    m.rollback(len(end) + 1)
+    row = b.allocate_vocab_mask(1)
+    m.fill_vocab_mask(row, 0)
+    other = b.allocate_vocab_mask(1)
+    snap.fill_vocab_mask(other, 0)
+    assert torch.equal(row, other)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_json_schemas_validate_in_a_mixed_batch(gengine, free_reference, mode):
+    e = gengine
+    ids, params = [], []
+    for i, (task, schema) in enumerate(SCHEMAS):
+        ids.append(chat_ids(e, f"{task} Answer with a JSON object only."))
+        p = {"max_new_tokens": 256, "json_schema": json.dumps(schema)}
+        p.update(
+            {"temperature": 0}
+            if mode == "greedy"
+            else {"temperature": 0.7, "top_p": 0.95, "seed": i}
+        )
+        params.append(p)
+    free_ids = [chat_ids(e, p) for p in CHAT_PROMPTS[:3]]
+    # unconstrained neighbours interleaved with the constrained requests
+    order = list(range(len(ids)))
+    batch_ids = ids[:10] + free_ids[:1] + ids[10:20] + free_ids[1:] + ids[20:]
+    batch_params = params[:10] + [FREE] + params[10:20] + [FREE, FREE] + params[20:]
+    outs = e.generate(input_ids=batch_ids, sampling_params=batch_params)
+    constrained = outs[:10] + outs[11:21] + outs[23:]
+    free = [outs[10], outs[21], outs[22]]
+    for i, out in zip(order, constrained, strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", (i, out)
+        _validate(out["text"], SCHEMAS[i][1])
+    assert [o["output_ids"] for o in free] == free_reference
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
+        r"\+1 [0-9]{3}-[0-9]{3}-[0-9]{4}",
+    ],
+    ids=["iso-date", "phone"],
+)
+def test_regex_outputs_fully_match(gengine, pattern):
+    e = gengine
+    prompt = chat_ids(e, "When was the Eiffel Tower finished, and what is a phone number?")
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        out = e.generate(
+            input_ids=prompt, sampling_params={"max_new_tokens": 40, "regex": pattern, **params}
+        )
+        assert re.fullmatch(pattern, out["text"]), out["text"]
+
+
+ARITH = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= num | "(" expr ")"
+num ::= [0-9]+
+"""
+
+
+def test_ebnf_arithmetic(gengine):
+    e = gengine
+    out = e.generate(
+        input_ids=chat_ids(e, "Write an arithmetic expression that equals 10."),
+        sampling_params={"max_new_tokens": 40, "temperature": 0, "ebnf": ARITH},
+    )
+    text = out["text"]
+    assert re.fullmatch(r"[0-9+\-*/()]+", text) and text
+    # a full parse: Python evaluates exactly this grammar's language (integers, + - * /, parens)
+    eval(compile(text, "<expr>", "eval"), {"__builtins__": {}})  # noqa: S307
+
+
+def test_bad_constraints_are_refused_and_the_engine_keeps_serving(gengine):
+    e = gengine
+    ids = chat_ids(e, "hello")
+    for params, match in [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ({"regex": "a", "json_schema": "{}"}, "at most one"),
+        ({"json_schema": ""}, "json_schema"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            e.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **params})
+    out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "regex": "yes|no"})
+    assert out["text"] in ("yes", "no")
+
+
+def test_response_format_through_the_http_parser():
+    from loom.server.protocol import APIError, parse_chat
+
+    msgs = [{"role": "user", "content": "hi"}]
+    req, _ = parse_chat({"messages": msgs, "response_format": {"type": "json_object"}})
+    assert json.loads(req.sampling["json_schema"]) == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req, _ = parse_chat(
+        {
+            "messages": msgs,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
+        }
+    )
+    assert json.loads(req.sampling["json_schema"]) == schema
+    req, _ = parse_chat({"messages": msgs, "regex": "[a-z]+"})
+    assert req.sampling["regex"] == "[a-z]+"
+    for body in (
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "yaml"}},
+        {"response_format": {"type": "json_object"}, "regex": "a"},
+    ):
+        with pytest.raises(APIError):
+            parse_chat({"messages": msgs, **body})
+
+
+@pytest.mark.parametrize("inner", BACKENDS)
+def test_reasoner_frees_thinking_then_applies_the_grammar(inner):
+    """A custom think-end string; the budget forces it after 12 free tokens, then the JSON
+    schema applies."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["answer"],
+    }
+    end = " END_OF_THOUGHT"
+    with loom.Engine(
+        grammar_backend="reasoner",
+        reasoner_grammar_backend=inner,
+        think_end_token=end,
+        think_budget=12,
+        max_total_tokens=8192,
+    ) as e:
+        ids = chat_ids(e, "What is 6 times 7? Think, then answer in JSON.")
+        outs = e.generate(
+            input_ids=[ids, ids],
+            sampling_params=[
+                {"max_new_tokens": 80, "temperature": 0, "json_schema": json.dumps(schema)},
+                {
+                    "max_new_tokens": 80,
+                    "temperature": 0.7,
+                    "seed": 3,
+                    "json_schema": json.dumps(schema),
+                },
+            ],
+        )
+        free = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    for out in outs:
+        thought, sep, rest = out["text"].partition(end.strip())
+        assert sep, out["text"]
+        _validate(rest.strip(), schema)
+    # before the think-end token the text is the model's own (greedy: unconstrained tokens)
+    assert outs[0]["output_ids"][:12] == free["output_ids"]
+
+
+def test_grammar_backend_none_refuses_constraints():
+    with loom.Engine(grammar_backend="none", max_total_tokens=4096) as e:
+        with pytest.raises(ValueError, match="grammar-backend none"):
+            e.generate(prompt="hi", sampling_params={"regex": "a+"})
+        assert e.generate(prompt="hi", sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
+def test_reasoner_needs_a_think_end():
+    with pytest.raises(ValueError, match="think-end"):
+        loom.Engine(grammar_backend="reasoner")
+
+
+def test_every_registered_grammar_backend_is_known():
+    assert {"xgrammar", "llguidance", "reasoner", "none"} <= set(plugins.names("grammar_backend"))
