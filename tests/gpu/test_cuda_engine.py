@@ -144,17 +144,22 @@ def test_flashinfer_bf16_graphs_match_torch_native(tmp_path):
     )
     with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    runs = {}
     for graphs in (False, True):
         with loom.Engine(
             attention_backend="flashinfer", disable_cuda_graph=not graphs, cuda_graph_max_bs=8, **kw
         ) as e:
             assert (e.runner.cuda_graph_runner is not None) == graphs
-            got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+            runs[graphs] = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
             e.scheduler.check_kv_balance()
-        same = sum(
-            a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)
-        )
-        assert same / sum(map(len, want)) >= 0.9, (graphs, got, want)
+    # Replaying graphs planned on the host must give exactly the eager tokens (same kernels).
+    assert runs[True] == runs[False]
+    # Against torch_native in bf16 the first tokens agree; later ones may diverge for good after
+    # one rounding flip (seen on the H200: 136 of 160 tokens equal), which is why the kernel
+    # itself is checked against the fp32 reference by the conformance kit at real shapes.
+    assert all(g[:4] == w[:4] for g, w in zip(runs[True], want, strict=True)), (runs, want)
 
 
 def test_hierarchical_cache_on_cuda_loads_back_through_the_copy_stream(tiny_dir, tmp_path):

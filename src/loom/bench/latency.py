@@ -80,7 +80,7 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
                             "attention_backend": info["attention_backend"],
                             "model": info["model"],
                             "cuda_graphs": info.get("cuda_graphs"),
-                            "gemv": os.environ.get("LOOM_GEMV", "cublas"),
+                            "gemv": os.environ.get("LOOM_GEMV", "auto"),
                             **best,
                         }
                     )

@@ -175,7 +175,7 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             "attention_backend": info["attention_backend"],
             "cuda_graphs": info.get("cuda_graphs"),
             "overlap": not server_kwargs.get("disable_overlap_schedule", False),
-            "gemv": os.environ.get("LOOM_GEMV", "cublas"),
+            "gemv": os.environ.get("LOOM_GEMV", "auto"),
             "random_range_ratio": ns.random_range_ratio,
             "loom": {k: v for k, v in loom.items() if k != "output_ids"},
         }
