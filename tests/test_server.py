@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -139,6 +140,44 @@ def test_chat_greedy_equals_engine(client, engine):
     assert resp.usage.completion_tokens == want["meta_info"]["completion_tokens"]
     # (the chat template's system prompt may already be cached from an earlier request)
     assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
+
+
+def test_structured_output_through_the_openai_client(client):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer"},
+        },
+        "required": ["city", "population"],
+    }
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Name a big city and its population, as JSON."}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model="smollm2-135m-instruct",
+        prompt="The year the Berlin wall fell:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"regex": "19[0-9]{2}"},
+    )
+    assert re.fullmatch("19[0-9]{2}", r.choices[0].text)
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": 'Reply with {"ok": true} and nothing else.'}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_cache_salt_namespaces_the_prefix_cache(client):
@@ -330,10 +369,21 @@ BAD = [
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
     (
         "/v1/chat/completions",
-        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        {
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}},
+        },
         400,
-        "response_format",
+        "json_schema",
     ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "regex": "(unclosed"}, 400, "regex"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "regex": "a", "ebnf": 'root ::= "a"'},
+        400,
+        "ebnf",
+    ),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{bad"}}, 400, "json_schema"),
     ("/v1/chat/completions", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
     (
         "/v1/chat/completions",
