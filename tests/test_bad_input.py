@@ -11,7 +11,7 @@ BAD = [
     ({"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
     ({"prompt": "hi", "sampling_params": {"min_p": 2}}, "min_p"),
     ({"prompt": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
-    ({"prompt": "hi", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+    ({"prompt": "hi", "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
     ({"prompt": "hi", "sampling_params": {"custom_logit_processor": "nope"}}, "nope"),
     ({"input_ids": [10**9]}, "input_ids"),
     ({"input_ids": []}, "empty"),

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import chat_ids
 
@@ -140,6 +141,69 @@ def test_chat_greedy_equals_engine(client, engine):
     assert resp.usage.completion_tokens == want["meta_info"]["completion_tokens"]
     # (the chat template's system prompt may already be cached from an earlier request)
     assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
+
+
+def test_logprobs_through_the_openai_client(client, engine, hf_model):
+    """Chat logprobs (non-streamed and streamed) equal HF's log_softmax on the same ids."""
+    msgs = [{"role": "user", "content": "Name a color."}]
+    ids = engine.apply_chat_template(msgs)
+    kw = dict(model="smollm2-135m-instruct", messages=msgs, max_tokens=5, temperature=0)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    content = r.choices[0].logprobs.content
+    out_ids = engine.tokenizer.encode(r.choices[0].message.content, add_special_tokens=False)
+    with torch.no_grad():
+        lsm = torch.log_softmax(hf_model(torch.tensor([ids + out_ids])).logits[0].float(), -1)
+    assert len(content) == r.usage.completion_tokens
+    for j, item in enumerate(content[: len(out_ids)]):
+        pos = len(ids) - 1 + j
+        assert abs(item.logprob - lsm[pos, out_ids[j]].item()) < 1e-3
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(
+            lsm[pos].topk(3).values.tolist(), abs=1e-3
+        )
+    streamed = []
+    for chunk in client.chat.completions.create(logprobs=True, stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += [c.logprob for c in chunk.choices[0].logprobs.content]
+    # (the second request reuses the cached prompt: same values up to float rounding)
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-4)
+    c = client.completions.create(
+        model="smollm2-135m-instruct", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == c.choices[0].text
+
+
+def test_sampling_extras_through_the_openai_client(client):
+    kw = dict(model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=8)
+    r = client.chat.completions.create(n=4, temperature=1.0, seed=11, **kw)
+    texts = [c.message.content for c in r.choices]
+    assert len(texts) == 4 and len(set(texts)) >= 3
+    again = client.chat.completions.create(n=4, temperature=1.0, seed=11, **kw)
+    assert [c.message.content for c in again.choices] == texts  # seeded: reproducible
+    forced = client.chat.completions.create(
+        temperature=0, logit_bias={"42": 100}, max_tokens=3, model=kw["model"], messages=MESSAGES
+    )
+    assert forced.usage.completion_tokens == 3
+    r = client.chat.completions.create(
+        temperature=0,
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.1, "min_tokens": 6},
+        **kw,
+    )
+    assert r.usage.completion_tokens >= 6
+    # the example plug-in's processor (installed by make setup) forces a token
+    r = client.chat.completions.create(
+        temperature=0.8,
+        extra_body={
+            "custom_logit_processor": "example_force_token",
+            "custom_params": {"token_id": 42},
+        },
+        **kw,
+    )
+    assert r.usage.completion_tokens == 8
 
 
 def test_structured_output_through_the_openai_client(client):
@@ -362,11 +426,37 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
         "/v1/chat/completions",
-        {"messages": MESSAGES, "frequency_penalty": 0.5},
+        {"messages": MESSAGES, "frequency_penalty": 2.5},
         400,
         "frequency_penalty",
     ),
-    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "presence_penalty": -3},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "custom_logit_processor": '{"callable": "80049500"}'},
+        400,
+        "custom_logit_processor",
+    ),
     (
         "/v1/chat/completions",
         {

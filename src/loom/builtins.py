@@ -47,6 +47,8 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "logits_processor": {
         "disallowed_tokens": "loom.sampling.logits_processor:DisallowedTokensProcessor",
+        "thinking_budget": "loom.sampling.logits_processor:ThinkingBudgetProcessor",
+        "no_repeat_ngram": "loom.sampling.logits_processor:NoRepeatNGramProcessor",
     },
 }
 

@@ -125,6 +125,14 @@ class ServerArgs:
         default=False, metadata=_arg("Do not share KV between requests with a common prefix.")
     )
 
+    enable_custom_logit_processor: bool = field(
+        default=False,
+        metadata=_arg(
+            "Accept SGLang's dill-serialised custom logit processors (runs client-sent code: "
+            "only for trusted clients)."
+        ),
+    )
+
     # Structured output
     grammar_backend: str = field(
         default="xgrammar",

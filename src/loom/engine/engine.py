@@ -46,6 +46,7 @@ class _ReqState:
     last_token_time: float | None = None
     finish_time: float | None = None
     emitted: int = 0  # characters of the detokenized text already handed to the caller
+    logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
 
 
 class Engine:
@@ -246,8 +247,17 @@ class Engine:
                 "one new token)"
             )
         if params.custom_logit_processor is not None:
+            from loom.sampling.logits_processor import is_serialized
             from loom.sampling.sampler import get_processor
 
+            if is_serialized(params.custom_logit_processor) and not (
+                self.server_args.enable_custom_logit_processor
+            ):
+                raise ValueError(
+                    "custom_logit_processor: serialized (dill) processors execute code sent by "
+                    "the client and are refused; use a named processor plug-in, or start the "
+                    "server with --enable-custom-logit-processor if every client is trusted"
+                )
             try:
                 proc = get_processor(params.custom_logit_processor)
             except plugins.RegistryError as e:
@@ -288,6 +298,7 @@ class Engine:
         loop: asyncio.AbstractEventLoop | None = None,
         priority: int | None = None,
         extra_key: str | None = None,
+        logprob: tuple[bool, int, int] = (False, 0, -1),
     ) -> _ReqState:
         self._check_alive()
         rid = rid or uuid.uuid4().hex
@@ -307,8 +318,30 @@ class Engine:
                 raise ValueError(f"duplicate request id {rid!r}")
             self._states[rid] = st
         req = Req(rid, input_ids, params, priority=priority or 0, extra_key=extra_key)
+        req.return_logprob, req.top_logprobs_num, req.logprob_start_len = logprob
+        if req.return_logprob:
+            st.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
+            if req.logprob_start_len >= 0:
+                st.logprobs["input_token_logprobs"] = []
         self.backend.send(("add", req))
         return st
+
+    def _submit_n(self, ids, params, rid, priority, extra_key, lp) -> list[_ReqState]:
+        """``n`` samples of one prompt: n requests (rids ``{rid}-{i}``), each with its own
+        seed stream when seeded. The scheduler prefills the shared prompt once: identical
+        prompts admitted together wait one step for the first one's KV (radix cache)."""
+        import dataclasses
+
+        states = []
+        for i in range(params.n):
+            p = dataclasses.replace(params, n=1)
+            if p.sampling_seed is not None:
+                p.sampling_seed = p.sampling_seed + i
+            r = f"{rid}-{i}" if rid else None
+            states.append(
+                self._submit(ids, p, r, priority=priority, extra_key=extra_key, logprob=lp)
+            )
+        return states
 
     def _forget(self, st: _ReqState) -> None:
         """The caller went away: abort the request and drop its state."""
@@ -342,6 +375,8 @@ class Engine:
             hit = self._find_stop(st, len(added)) if added and st.params.stop else None
             if hit is not None:
                 stop, cut = hit
+                if st.params.no_stop_trim:
+                    cut += len(stop)
                 st.detok.text = st.detok.text[:cut]
                 if finished is None or finished.get("type") != "stop":
                     finished = {"type": "stop", "matched": stop}
@@ -370,7 +405,25 @@ class Engine:
         }
         if out.error:
             meta["error"] = out.error
+        if st.logprobs is not None:
+            for key, entries in out.extra.items():
+                if key in st.logprobs:
+                    st.logprobs[key] += self._with_text(key, entries)
+            n_new = len(out.extra.get("output_token_logprobs", []))
+            for key, acc in st.logprobs.items():
+                meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
         return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+
+    def _with_text(self, key: str, entries: list) -> list:
+        """(logprob, id) -> (logprob, id, text) as SGLang returns them."""
+        tok = self.tokenizer
+
+        def text(i: int) -> str | None:
+            return tok.decode([i]) if tok is not None else None
+
+        if key == "output_top_logprobs":
+            return [[(lp, i, text(i)) for lp, i in row] for row in entries]
+        return [(lp, i, text(i)) for lp, i in entries]
 
     @staticmethod
     def _find_stop(st: _ReqState, new_chars: int) -> tuple[str, int] | None:
@@ -386,7 +439,10 @@ class Engine:
 
     def _final(self, st: _ReqState, last: dict[str, Any]) -> dict[str, Any]:
         text = st.detok.text if st.detok is not None else ""
-        return {"text": text, "output_ids": list(st.output_ids), "meta_info": last["meta_info"]}
+        meta = dict(last["meta_info"])
+        if st.logprobs is not None:
+            meta.update({k: list(v) for k, v in st.logprobs.items()})
+        return {"text": text, "output_ids": list(st.output_ids), "meta_info": meta}
 
     def _wait(self, st: _ReqState) -> dict[str, Any]:
         while True:
@@ -408,6 +464,9 @@ class Engine:
         stream: bool = False,
         priority: int | list[int] | None = None,
         extra_key: str | list[str] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a list (a list of dicts, in order).
 
@@ -419,11 +478,17 @@ class Engine:
         namespace such as a ``cache_salt``: requests with different keys share no cached KV)
         take one value or, for a batch, one per prompt.
         """
+        lp = _logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
         batch = self._as_batch(prompt, input_ids, sampling_params, rid)
         if batch is None:
             ids, params = self._prepare(prompt, input_ids, sampling_params)
             _check_options(priority, extra_key)
-            st = self._submit(ids, params, rid, priority=priority, extra_key=extra_key)
+            if params.n > 1:
+                if stream:
+                    raise ValueError("stream=True takes n=1")
+                states = self._submit_n(ids, params, rid, priority, extra_key, lp)
+                return [self._wait(st) for st in states]
+            st = self._submit(ids, params, rid, priority=priority, extra_key=extra_key, logprob=lp)
             return self._stream(st) if stream else self._wait(st)
         if stream:
             raise ValueError("stream=True takes a single prompt")
@@ -434,10 +499,12 @@ class Engine:
             raise ValueError("priority and extra_key lists must match the number of prompts")
         for pr, k in zip(prios, keys, strict=True):
             _check_options(pr, k)
-        states = [
-            self._submit(ids, params, r, priority=pr, extra_key=k)
-            for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True)
-        ]
+        states = []
+        for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True):
+            if params.n > 1:
+                states += self._submit_n(ids, params, r, pr, k, lp)
+            else:
+                states.append(self._submit(ids, params, r, priority=pr, extra_key=k, logprob=lp))
         return [self._wait(st) for st in states]
 
     def _as_batch(self, prompt, input_ids, sampling_params, rid):
@@ -470,11 +537,17 @@ class Engine:
         stream: bool = False,
         priority: int | None = None,
         extra_key: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-        """Like ``generate`` for one prompt; ``stream=True`` returns an async iterator of
+        """Like ``generate`` for one prompt (n=1); ``stream=True`` returns an async iterator of
         increments (``text`` is the new text, ``output_ids`` the new ids)."""
+        lp = _logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
         ids, params = self._prepare(prompt, input_ids, sampling_params)
         _check_options(priority, extra_key)
+        if params.n > 1:
+            raise ValueError("n > 1: submit n requests (the OpenAI routes do)")
         st = self._submit(
             ids,
             params,
@@ -482,6 +555,7 @@ class Engine:
             loop=asyncio.get_running_loop(),
             priority=priority,
             extra_key=extra_key,
+            logprob=lp,
         )
         if stream:
             return _AsyncStream(self, st)
@@ -522,6 +596,18 @@ class Engine:
             self._stopped.set()
             with contextlib.suppress(Exception):
                 backend.shutdown()
+
+
+def _logprob_options(ret: Any, top: Any, start: Any) -> tuple[bool, int, int]:
+    if not isinstance(ret, bool):
+        raise ValueError(f"return_logprob must be a boolean, got {ret!r}")
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < -1:
+        raise ValueError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+    if (top or start >= 0) and not ret:
+        raise ValueError("top_logprobs_num / logprob_start_len need return_logprob=True")
+    return ret, top, start
 
 
 def _check_options(priority: Any, extra_key: Any) -> None:

@@ -41,13 +41,19 @@ class ForwardBatch:
     attn_backend: AttentionBackend | None = None
     attn_metadata: Any = None
     graph_bs: int | None = None  # set when this batch is a CUDA graph's (padded) batch
+    # EXTEND: token indices whose logits the forward returns, when the scheduler wants more than
+    # each request's last token (prompt logprobs); None means the last token of each request.
+    logit_indices: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
         return self.forward_mode is ForwardMode.DECODE
 
     def last_token_indices(self) -> torch.Tensor:
-        """Index of each request's last new token in the flattened token dimension."""
+        """Indices (in the flattened token dimension) of the tokens whose logits the model
+        returns: each request's last new token, or ``logit_indices`` when set."""
+        if self.logit_indices is not None:
+            return self.logit_indices
         if self.is_decode:
             return torch.arange(self.batch_size, device=self.input_ids.device)
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.long).cumsum(0) - 1

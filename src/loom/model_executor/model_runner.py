@@ -209,6 +209,7 @@ class ModelRunner:
         positions: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
+        logit_indices: list[int] | None = None,
     ) -> torch.Tensor:
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         table = self.req_to_token_pool.req_to_token
@@ -228,6 +229,8 @@ class ModelRunner:
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=list(extend_lens),
         )
+        if logit_indices is not None:
+            batch.logit_indices = self._tensor(logit_indices)
         return self._run(batch)
 
     @torch.inference_mode()

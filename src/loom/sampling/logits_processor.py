@@ -13,6 +13,19 @@ from typing import Any, ClassVar
 import torch
 
 
+class TokenHistory(list):
+    """A request's prompt + output ids; ``prompt_len`` is where the output starts."""
+
+    prompt_len: int = 0
+
+    @classmethod
+    def of(cls, prompt: list[int], output: list[int]) -> TokenHistory:
+        h = cls(prompt)
+        h.extend(output)
+        h.prompt_len = len(prompt)
+        return h
+
+
 class LogitsProcessor(ABC):
     """Transforms the logits of the rows whose requests named this processor.
 
@@ -21,7 +34,8 @@ class LogitsProcessor(ABC):
       return a tensor of the same shape (modifying in place and returning it is fine).
     - ``params_per_row[i]`` is request i's ``custom_params`` dict (``{}`` if none was given).
     - ``token_ids_per_row[i]`` is request i's history: its prompt ids followed by the ids it has
-      generated so far. Do not mutate it.
+      generated so far, a ``TokenHistory`` (a list whose ``prompt_len`` says where the output
+      starts). Do not mutate it.
     - Called once per decode step and once after the prefill; must not block or sync needlessly.
     - ``validate_params`` runs when a request arrives; raise ``ValueError`` naming the problem.
     - ``example_params`` are valid parameters the conformance kit (``loom.testing``) uses.
@@ -58,3 +72,109 @@ class DisallowedTokensProcessor(LogitsProcessor):
             if ids:
                 logits[row, ids] = float("-inf")
         return logits
+
+
+def _force(row: torch.Tensor, token: int) -> None:
+    keep = row[token].clone()
+    row.fill_(float("-inf"))
+    row[token] = keep if torch.isfinite(keep) else 0.0
+
+
+class ThinkingBudgetProcessor(LogitsProcessor):
+    """Ends thinking after a budget: once ``budget`` tokens have been generated without the
+    think-end sequence, forces it (its next id each step). Params: ``{"budget": N,
+    "think_end_ids": [ids]}``, the ids of e.g. ``</think>`` in the model's tokenizer."""
+
+    example_params = {"budget": 2, "think_end_ids": [5, 6]}
+
+    def validate_params(self, params):
+        b, ids = params.get("budget"), params.get("think_end_ids")
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError("thinking_budget needs custom_params budget: an integer >= 0")
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(i, int) and i >= 0 for i in ids)
+        ):
+            raise ValueError("thinking_budget needs custom_params think_end_ids: [token ids]")
+
+    def __call__(self, logits, params_per_row, token_ids_per_row):
+        for row, (params, hist) in enumerate(zip(params_per_row, token_ids_per_row, strict=True)):
+            out = list(hist[getattr(hist, "prompt_len", 0) :])
+            end, budget = params["think_end_ids"], params["budget"]
+            if _contains(out, end):
+                continue
+            # how much of the end sequence the output already ends with (forcing in progress)
+            done = next((k for k in range(len(end) - 1, 0, -1) if out[-k:] == end[:k]), 0)
+            if len(out) - done >= budget:
+                _force(logits[row], end[done])
+        return logits
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    n = len(sub)
+    return any(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
+
+
+class NoRepeatNGramProcessor(LogitsProcessor):
+    """Bans tokens that would repeat an n-gram of the history (prompt and output), as HF's
+    ``NoRepeatNGramLogitsProcessor``. Params: ``{"n": N}``."""
+
+    example_params = {"n": 2}
+
+    def validate_params(self, params):
+        n = params.get("n")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError("no_repeat_ngram needs custom_params n: an integer >= 1")
+
+    def __call__(self, logits, params_per_row, token_ids_per_row):
+        for row, (params, hist) in enumerate(zip(params_per_row, token_ids_per_row, strict=True)):
+            n = params["n"]
+            if len(hist) + 1 < n:
+                continue
+            prefix = tuple(hist[len(hist) - n + 1 :]) if n > 1 else ()
+            banned = {
+                hist[i + n - 1]
+                for i in range(len(hist) - n + 1)
+                if tuple(hist[i : i + n - 1]) == prefix
+            }
+            if banned:
+                logits[row, sorted(banned)] = float("-inf")
+        return logits
+
+
+class SerializedProcessor(LogitsProcessor):
+    """An SGLang ``CustomLogitProcessor`` sent by a client as dill-serialised code. Only with
+    ``--enable-custom-logit-processor``: unpickling runs arbitrary code the client chose, so a
+    server open to untrusted clients must never accept it (named plug-ins are the safe way)."""
+
+    def __init__(self, payload: str) -> None:
+        import base64
+        import json
+
+        try:
+            import dill
+        except ImportError as e:
+            raise ValueError("custom_logit_processor: serialized processors need `dill`") from e
+        try:
+            data = json.loads(payload)["callable"]
+            raw = bytes.fromhex(data) if _is_hex(data) else base64.b64decode(data)
+            self.fn = dill.loads(raw)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"custom_logit_processor: cannot deserialize it ({e})") from e
+
+    def __call__(self, logits, params_per_row, token_ids_per_row):
+        return self.fn(logits, params_per_row)
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        bytes.fromhex(s)
+    except ValueError:
+        return False
+    return True
+
+
+def is_serialized(name: str) -> bool:
+    """Whether ``custom_logit_processor`` is SGLang's serialized form, not a plug-in name."""
+    return isinstance(name, str) and name.lstrip().startswith("{") and '"callable"' in name

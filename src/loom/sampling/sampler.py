@@ -105,8 +105,13 @@ _processor_cache: dict[str, object] = {}
 
 def get_processor(name: str):
     if name not in _processor_cache:
-        target = plugins.resolve("logits_processor", name)
-        _processor_cache[name] = target() if isinstance(target, type) else target
+        from loom.sampling.logits_processor import SerializedProcessor, is_serialized
+
+        if is_serialized(name):  # admitted only with --enable-custom-logit-processor
+            _processor_cache[name] = SerializedProcessor(name)
+        else:
+            target = plugins.resolve("logits_processor", name)
+            _processor_cache[name] = target() if isinstance(target, type) else target
     return _processor_cache[name]
 
 

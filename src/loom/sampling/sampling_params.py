@@ -7,20 +7,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Parameters SGLang accepts that belong to later work: accepted by name so clients need not change,
-# rejected with a clear error when set to anything but the neutral value, never silently ignored.
-_NOT_YET = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "logit_bias": None,
-    "n": 1,
-    "no_stop_trim": False,
-    "spaces_between_special_tokens": True,
-}
-
-
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
@@ -38,6 +24,14 @@ class SamplingParams:
     sampling_seed: int | None = None
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] = field(default_factory=dict)
+    frequency_penalty: float = 0.0  # OpenAI: minus penalty x count of the token in the output
+    presence_penalty: float = 0.0  # OpenAI: minus penalty if the token is in the output
+    repetition_penalty: float = 1.0  # HF/CTRL: divide (positive) or multiply logits of seen tokens
+    min_new_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to the logit
+    n: int = 1
+    no_stop_trim: bool = False  # keep the matched stop string in the text
+    spaces_between_special_tokens: bool = True
     # Structured output: at most one (a JSON schema may be given as an object or its text).
     json_schema: str | None = None
     regex: str | None = None
@@ -51,15 +45,18 @@ class SamplingParams:
             d.setdefault("sampling_seed", d.pop("seed"))
         known = {f.name for f in dataclasses.fields(cls)}
         for key in list(d):
-            if key in _NOT_YET:
-                value = d.pop(key)
-                if value is not None and value != _NOT_YET[key]:
-                    raise ValueError(f"sampling parameter {key!r} is not supported yet")
-            elif key not in known:
+            if key not in known:
                 raise ValueError(
-                    f"unknown sampling parameter {key!r}; valid: "
-                    f"{', '.join(sorted(known | set(_NOT_YET)))}"
+                    f"unknown sampling parameter {key!r}; valid: {', '.join(sorted(known))}"
                 )
+        if isinstance(d.get("logit_bias"), dict):
+            try:
+                d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError("logit_bias keys must be token ids") from e
+        for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if d.get(key) is None:
+                d.pop(key, None)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         proc = d.get("custom_logit_processor")
@@ -97,6 +94,32 @@ class SamplingParams:
             raise bad("sampling_seed", "must be an integer")
         if not isinstance(self.custom_params, dict):
             raise bad("custom_params", "must be a JSON object")
+        num = (int, float)
+        for name, lo, hi in (("frequency_penalty", -2, 2), ("presence_penalty", -2, 2)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, num) or not lo <= v <= hi:
+                raise bad(name, f"must be in [{lo}, {hi}]")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, num) or not 0 < rp <= 2:
+            raise bad("repetition_penalty", "must be in (0, 2]")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise bad("min_new_tokens", "must be an integer >= 0")
+        if isinstance(self.max_new_tokens, int) and self.min_new_tokens > self.max_new_tokens:
+            raise bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to numbers")
+            for tok, b in self.logit_bias.items():
+                if (
+                    not isinstance(tok, int)
+                    or tok < 0
+                    or (vocab_size is not None and tok >= vocab_size)
+                ):
+                    raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
+                if isinstance(b, bool) or not isinstance(b, num) or not -100 <= b <= 100:
+                    raise bad("logit_bias", "values must be numbers in [-100, 100]")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            raise bad("n", "must be an integer in [1, 64]")
         given = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         for k in given:
             if not isinstance(getattr(self, k), str) or not getattr(self, k):
@@ -113,6 +136,14 @@ class SamplingParams:
             if getattr(self, k) is not None:
                 return k, getattr(self, k)
         return None
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -45,6 +45,27 @@ class Req:
         self.grammar_future = None
         self.grammar_deadline = 0.0
         self.grammar = None
+        # Penalties: this request's row of the scheduler's PenaltyState (counts on the device).
+        self.penalty_row: int | None = None
+        # Logprobs (``return_logprob``): entries not yet sent to the front end.
+        self.return_logprob = False
+        self.top_logprobs_num = 0
+        self.logprob_start_len = -1
+        self.pending_logprobs: list[tuple[float, int]] = []
+        self.pending_top_logprobs: list[list[tuple[float, int]]] = []
+        self.pending_input_logprobs: list | None = None
+        self.input_logprob_acc: list = []
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
+
+    @property
+    def prompt_hash(self) -> int:
+        h = getattr(self, "_prompt_hash", None)
+        if h is None:
+            h = self._prompt_hash = hash((self.extra_key, tuple(self.origin_input_ids)))
+        return h
 
     @property
     def fill_ids(self) -> list[int]:

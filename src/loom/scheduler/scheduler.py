@@ -29,6 +29,8 @@ import torch
 
 from loom import plugins
 from loom.mem_cache.radix_cache import RadixCache
+from loom.sampling.logits_processor import TokenHistory
+from loom.sampling.penalties import PenaltyState, apply_penalties
 from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
 from loom.scheduler.policy import NoPrefixCache
 from loom.scheduler.request import Req, ReqOutput
@@ -52,28 +54,71 @@ class _ExtendItem:
 
 
 @dataclass
+class _Sampled:
+    """One step's sampled ids (and, when asked for, their logprobs) on the device."""
+
+    tokens: torch.Tensor  # [bs]
+    logprobs: torch.Tensor | None = None  # [bs] log_softmax of the raw logits at the token
+    top_values: torch.Tensor | None = None  # [bs, k]
+    top_ids: torch.Tensor | None = None  # [bs, k]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            t for t in (self.tokens, self.logprobs, self.top_values, self.top_ids) if t is not None
+        ]
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+@dataclass
 class _InflightDecode:
     """A launched decode step whose sampled tokens may still be on their way to the host."""
 
     reqs: list[Req]
     tokens: torch.Tensor  # [bs] on the device
-    host: torch.Tensor  # [bs] on the host, filled by a non-blocking copy
+    host: _Sampled  # host copies, filled by non-blocking copies
     event: torch.cuda.Event | None
 
     @classmethod
-    def start(cls, reqs: list[Req], tokens: torch.Tensor) -> _InflightDecode:
-        if tokens.device.type != "cuda":
-            return cls(reqs, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(reqs, tokens, host, event)
+    def start(cls, reqs: list[Req], out: _Sampled) -> _InflightDecode:
+        host = _Sampled(
+            *(
+                None if t is None else _to_host(t)
+                for t in (out.tokens, out.logprobs, out.top_values, out.top_ids)
+            )
+        )
+        event = None
+        if out.tokens.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return cls(reqs, out.tokens, host, event)
 
-    def host_tokens(self) -> list[int]:
+    def host_results(self) -> tuple[list[int], list]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return self.host.tokens.tolist(), _logprob_rows(self.host, len(self.reqs))
+
+
+def _logprob_rows(s: _Sampled, bs: int) -> list:
+    """Per row: None, or (logprob, [(logprob, id), ...] top entries)."""
+    if s.logprobs is None:
+        return [None] * bs
+    lps = s.logprobs.tolist()
+    tops = (
+        [
+            list(zip(v, i, strict=True))
+            for v, i in zip(s.top_values.tolist(), s.top_ids.tolist(), strict=True)
+        ]
+        if s.top_values is not None
+        else [[] for _ in range(bs)]
+    )
+    return [(lp, top) for lp, top in zip(lps, tops, strict=True)]
 
 
 @dataclass
@@ -131,6 +176,7 @@ class Scheduler:
         # Structured output: requests whose grammar is compiling wait here, off the batch.
         self.grammar_queue: list[Req] = []
         self.grammar_mgr = None
+        self.penalties: PenaltyState | None = None  # allocated with the first penalised request
 
     def _build_hicache(self, policy):
         import json
@@ -336,6 +382,7 @@ class Scheduler:
 
     def _finish_abort(self, req: Req, message: str = "aborted") -> ReqOutput:
         self._release(req)
+        self._release_penalty(req)
         req.finished_reason = {"type": "abort", "message": message}
         return self._output(req, [])
 
@@ -394,6 +441,31 @@ class Scheduler:
             self.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
+
+    def _input_logprobs(self, items, wants, logits, last_rows) -> None:
+        """Logprobs of prompt tokens from this chunk's logits: the logits at position q give
+        the logprob of token q + 1 (token 0 has none)."""
+        start_row = 0
+        for it, w, last in zip(items, wants, last_rows, strict=True):
+            rows_start = start_row
+            start_row = last + 1
+            if not w:
+                continue
+            req = it.req
+            prompt = req.origin_input_ids
+            s, e = it.prefix_len, it.prefix_len + it.extend_len
+            acc = req.input_logprob_acc
+            if s == 0 and req.logprob_start_len == 0:
+                acc.append((None, prompt[0]))
+            qs = [q for q in range(s, min(e, len(prompt) - 1)) if q + 1 >= req.logprob_start_len]
+            if qs:
+                rows = torch.tensor([rows_start + q - s for q in qs], device=logits.device)
+                toks = torch.tensor([prompt[q + 1] for q in qs], device=logits.device)
+                lsm = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+                vals = lsm.gather(1, toks.unsqueeze(1)).squeeze(1).tolist()
+                acc += [(v, prompt[q + 1]) for v, q in zip(vals, qs, strict=True)]
+            if e >= len(prompt):
+                req.pending_input_logprobs, req.input_logprob_acc = acc, []
 
     def _cache_unfinished(self, req: Req) -> None:
         """A chunked prefill inserts what it has computed so far, so that requests sharing the
@@ -500,11 +572,22 @@ class Scheduler:
         ordered = self.policy.order(list(self.waiting), self._prefix_view)
         free_pages = self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
         num_active = len(self.running) + len(items)
+        admitted_prompts: set[int] = set()
         for req in ordered:
             if budget <= 0 or num_active >= self.max_running:
                 break
             if self.req_to_token_pool.num_free == 0:
                 break
+            if (
+                self.tree is not None
+                and not req.output_ids
+                and len(req.origin_input_ids) > self.page_size
+            ):
+                # n > 1 (or any identical prompts arriving together): prefill the prompt once;
+                # the others wait one step and match its KV in the radix cache.
+                if req.prompt_hash in admitted_prompts:
+                    continue
+                admitted_prompts.add(req.prompt_hash)
             slots, node = self._match(req)
             remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
             need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
@@ -548,6 +631,8 @@ class Scheduler:
         if self.tree is None:
             return [], None
         key = req.fill_ids[: req.seq_len - 1]
+        if req.wants_input_logprobs:  # prompt logprobs need the logits from logprob_start_len - 1
+            key = key[: max(req.logprob_start_len - 1, 0)]
         if hasattr(self.tree, "match_and_load"):
             return self.tree.match_and_load(key, req.extra_key)
         return self.tree.match_prefix(key, req.extra_key)
@@ -575,26 +660,44 @@ class Scheduler:
             input_ids += it.req.fill_ids[it.prefix_len : it.prefix_len + it.extend_len]
             positions += range(it.prefix_len, it.prefix_len + it.extend_len)
         reqs = [it.req for it in items]
+        # Prompt logprobs: all of a request's new tokens' logits, not just the last one's.
+        wants = [it.req.wants_input_logprobs for it in items]
+        logit_indices, last_rows, offset, row = None, [], 0, 0
+        if any(wants):
+            logit_indices = []
+            for it, w in zip(items, wants, strict=True):
+                idx = range(offset, offset + it.extend_len) if w else [offset + it.extend_len - 1]
+                logit_indices += idx
+                row += len(idx)
+                last_rows.append(row - 1)
+                offset += it.extend_len
         logits = self.runner.forward_extend(
             reqs,
             input_ids,
             positions,
             prefix_lens=[it.prefix_len for it in items],
             extend_lens=[it.extend_len for it in items],
+            logit_indices=logit_indices,
         )
+        if logit_indices is not None:
+            self._input_logprobs(items, wants, logits, last_rows)
+            logits = logits[torch.tensor(last_rows, device=logits.device)]
         for it in items:
             it.req.kv_len += it.extend_len
             self.stats.num_prompt_tokens += it.extend_len
-            if not it.completes:
-                self._cache_unfinished(it.req)
+            # Insert what was computed (a chunk, or the whole prompt) so that requests sharing
+            # it can match it before this one finishes.
+            self._cache_unfinished(it.req)
         done = [i for i, it in enumerate(items) if it.completes]
         if not done:
             return []
-        tokens = self._sample(logits[done], [reqs[i] for i in done])
+        sampled = self._sample_device(logits[done], [reqs[i] for i in done])
+        tokens = sampled.tokens.tolist()
+        lps = _logprob_rows(sampled, len(done))
         outputs = []
-        for i, tok in zip(done, tokens, strict=True):
+        for i, tok, lp in zip(done, tokens, lps, strict=True):
             req = reqs[i]
-            outputs.append(self._append_token(req, tok))
+            outputs.append(self._append_token(req, tok, lp))
             if not req.is_finished:
                 self.running.append(req)
         return outputs
@@ -621,16 +724,17 @@ class Scheduler:
             logits = self.runner.forward_decode(reqs, input_ids, positions, locs)
         for req in reqs:
             req.kv_len += 1
-        tokens = self._sample_device(logits, reqs, pending=1 if chained else 0)
-        return _InflightDecode.start(reqs, tokens)
+        sampled = self._sample_device(logits, reqs, pending=1 if chained else 0)
+        return _InflightDecode.start(reqs, sampled)
 
     def _resolve(self, inflight: _InflightDecode) -> list[ReqOutput]:
         """Wait for a launched decode step's tokens and apply them."""
         outputs = []
-        for req, tok in zip(inflight.reqs, inflight.host_tokens(), strict=True):
+        tokens, lps = inflight.host_results()
+        for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
             if req.is_finished:  # finished by the step before (overlap ran one step past it)
                 continue
-            outputs.append(self._append_token(req, tok))
+            outputs.append(self._append_token(req, tok, lp))
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
         return outputs
@@ -690,23 +794,77 @@ class Scheduler:
 
     # ---- sampling and finishing -----------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-        return self._sample_device(logits, reqs).tolist()
-
-    def _sample_device(
-        self, logits: torch.Tensor, reqs: list[Req], pending: int = 0
-    ) -> torch.Tensor:
-        """Sampled ids on the device; ``pending`` tokens per request are sampled but not yet
-        appended (overlap), which shifts seeded rows' output positions."""
+    def _sample_device(self, logits: torch.Tensor, reqs: list[Req], pending: int = 0) -> _Sampled:
+        """Sampled ids on the device (no host sync); ``pending`` tokens per request are
+        sampled but not yet appended (overlap), which shifts output positions. Order: custom
+        processors, penalties, min_new_tokens, logit_bias, the grammar mask, then temperature
+        and top-k/top-p/min-p. Logprobs are of the raw logits (before any of these)."""
         params = [r.sampling_params for r in reqs]
-        info = SamplingBatchInfo.build(
-            params, [len(r.output_ids) + pending for r in reqs], logits.shape[-1], logits.device
-        )
+        out_lens = [len(r.output_ids) + pending for r in reqs]
+        info = SamplingBatchInfo.build(params, out_lens, logits.shape[-1], logits.device)
+        want_lp = any(r.return_logprob for r in reqs)
+        raw = logits.clone() if want_lp else None
         if info.processors:
-            logits = apply_logits_processors(logits, info, params, [r.fill_ids for r in reqs])
+            histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
+            logits = apply_logits_processors(logits, info, params, histories)
+        pen_rows = self._apply_penalties(logits, reqs, params, out_lens)
         if any(r.grammar is not None for r in reqs):
             self._apply_grammar_masks(logits, reqs)
-        return sample(logits, info)
+        tokens = sample(logits, info)
+        if pen_rows is not None:
+            batch_rows, state_rows = pen_rows
+            self.penalties.add(state_rows, tokens.index_select(0, batch_rows))
+        out = _Sampled(tokens)
+        if want_lp:
+            lsm = torch.log_softmax(raw.float(), dim=-1)
+            out.logprobs = lsm.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            k = max(r.top_logprobs_num for r in reqs)
+            if k > 0:
+                out.top_values, out.top_ids = lsm.topk(k, dim=-1)
+        return out
+
+    def _apply_penalties(self, logits, reqs, params, out_lens):
+        """Penalties, min_new_tokens and logit_bias, in place; returns the (batch rows, state
+        rows) of penalised requests so their sampled tokens can be counted."""
+        dev = logits.device
+        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        result = None
+        if pen:
+            if self.penalties is None:
+                self.penalties = PenaltyState(logits.shape[-1], dev)
+            for i in pen:
+                if reqs[i].penalty_row is None:
+                    reqs[i].penalty_row = self.penalties.alloc(reqs[i].origin_input_ids)
+            coef = torch.tensor(
+                [
+                    [float(params[i].frequency_penalty) for i in pen],
+                    [float(params[i].presence_penalty) for i in pen],
+                    [float(params[i].repetition_penalty) for i in pen],
+                ],
+                dtype=logits.dtype,
+            ).to(dev, non_blocking=True)
+            idx = torch.tensor([pen, [reqs[i].penalty_row for i in pen]], dtype=torch.int64).to(
+                dev, non_blocking=True
+            )
+            apply_penalties(logits, idx[0], idx[1], self.penalties, coef[0], coef[1], coef[2])
+            result = (idx[0], idx[1])
+        rows, cols, vals = [], [], []
+        for i, (p, n) in enumerate(zip(params, out_lens, strict=True)):
+            if n < p.min_new_tokens:
+                for t in sorted(self.eos_token_ids | set(p.stop_token_ids)):
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(float("-inf"))
+            if p.logit_bias:
+                for t, b in p.logit_bias.items():
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(float(b))
+        if rows:
+            ix = torch.tensor([rows, cols], dtype=torch.int64).to(dev, non_blocking=True)
+            v = torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True)
+            logits.index_put_((ix[0], ix[1]), v, accumulate=True)
+        return result
 
     def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Each constrained row's allowed tokens, filled on the host (on a GPU this overlaps
@@ -718,8 +876,12 @@ class Scheduler:
                 req.grammar.fill_vocab_mask(mask, i)
         backend.apply_vocab_mask(logits, mask.to(logits.device, non_blocking=True))
 
-    def _append_token(self, req: Req, token: int) -> ReqOutput:
+    def _append_token(self, req: Req, token: int, logprob=None) -> ReqOutput:
         req.output_ids.append(token)
+        if logprob is not None and req.return_logprob:
+            lp, top = logprob
+            req.pending_logprobs.append((lp, token))
+            req.pending_top_logprobs.append(top[: req.top_logprobs_num])
         self.stats.num_generated_tokens += 1
         p = req.sampling_params
         if req.grammar is not None:
@@ -738,10 +900,28 @@ class Scheduler:
             req.finished_reason = {"type": "length", "length": len(req.output_ids)}
         if req.is_finished:
             self._release(req, cache=True)
+            self._release_penalty(req)
         return self._output(req, [token])
 
+    def _release_penalty(self, req: Req) -> None:
+        if req.penalty_row is not None:
+            self.penalties.release(req.penalty_row)
+            req.penalty_row = None
+
     def _output(self, req: Req, tokens: list[int]) -> ReqOutput:
+        extra = {}
+        if req.return_logprob:
+            extra["output_token_logprobs"], req.pending_logprobs = req.pending_logprobs, []
+            if req.top_logprobs_num:
+                extra["output_top_logprobs"], req.pending_top_logprobs = (
+                    req.pending_top_logprobs,
+                    [],
+                )
+            if req.pending_input_logprobs is not None:
+                extra["input_token_logprobs"] = req.pending_input_logprobs
+                req.pending_input_logprobs = None
         return ReqOutput(
+            extra=extra,
             rid=req.rid,
             new_token_ids=tokens,
             prompt_tokens=len(req.origin_input_ids),

@@ -36,7 +36,45 @@ logger = logging.getLogger(__name__)
 _FIELD = re.compile(r"^([a-z_]+)[ :]")
 
 
+def chat_logprobs(entries: list, tops: list) -> dict[str, Any]:
+    """OpenAI chat ``logprobs`` from Loom's (logprob, id, text) entries."""
+
+    def one(lp, text):
+        text = text or ""
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = []
+    for k, (lp, _, text) in enumerate(entries):
+        item = one(lp, text)
+        item["top_logprobs"] = [
+            one(t_lp, t_text) for t_lp, _, t_text in (tops[k] if k < len(tops) else [])
+        ]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(entries: list, tops: list) -> dict[str, Any]:
+    """OpenAI (legacy) completions ``logprobs``: tokens, token_logprobs, top_logprobs."""
+    tokens = [text or "" for _, _, text in entries]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [
+            {(t_text or ""): t_lp for t_lp, _, t_text in (tops[k] if k < len(tops) else [])}
+            for k in range(len(entries))
+        ],
+        "text_offset": offsets,
+    }
+
+
 _GENERATE_FIELDS = {
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
     "text",
     "input_ids",
     "sampling_params",
@@ -165,6 +203,8 @@ def create_app(engine: Engine) -> FastAPI:
                 stream=True,
                 priority=req.priority if req else None,
                 extra_key=req.extra_key if req else None,
+                return_logprob=req.logprobs if req else False,
+                top_logprobs_num=req.top_logprobs if req else 0,
             )
         except ValueError as e:
             raise _value_error(e) from e
@@ -198,7 +238,10 @@ def create_app(engine: Engine) -> FastAPI:
 
     async def collect(request: Request, streams) -> list[dict[str, Any]]:
         """Gather whole results; abort everything if the client goes away first."""
-        results = [{"text": "", "output_ids": [], "meta_info": {}} for _ in streams]
+        results = [
+            {"text": "", "output_ids": [], "meta_info": {}, "logprobs": [], "top": []}
+            for _ in streams
+        ]
 
         async def run():
             async for i, inc in merged(streams):
@@ -206,6 +249,8 @@ def create_app(engine: Engine) -> FastAPI:
                 r["text"] += inc["text"]
                 r["output_ids"] += inc["output_ids"]
                 r["meta_info"] = inc["meta_info"]
+                r["logprobs"] += inc["meta_info"].get("output_token_logprobs", [])
+                r["top"] += inc["meta_info"].get("output_top_logprobs", [])
 
         task = asyncio.create_task(run())
         while not task.done():
@@ -279,7 +324,9 @@ def create_app(engine: Engine) -> FastAPI:
                         "index": i,
                         "message": {"role": "assistant", "content": r["text"]},
                         "finish_reason": finish_reason(r["meta_info"].get("finish_reason")),
-                        "logprobs": None,
+                        "logprobs": chat_logprobs(r["logprobs"], r["top"])
+                        if req.logprobs
+                        else None,
                     }
                     for i, r in enumerate(results)
                 ],
@@ -305,19 +352,14 @@ def create_app(engine: Engine) -> FastAPI:
             async for i, inc in merged(streams):
                 meta = metas[i] = inc["meta_info"]
                 reason = finish_reason(meta.get("finish_reason"))
-                if inc["text"]:
-                    yield _sse(
-                        {
-                            **chunk,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"content": inc["text"]},
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+                if inc["text"] or (req.logprobs and meta.get("output_token_logprobs")):
+                    choice = {"index": i, "delta": {"content": inc["text"]}, "finish_reason": None}
+                    if req.logprobs:
+                        choice["logprobs"] = chat_logprobs(
+                            meta.get("output_token_logprobs", []),
+                            meta.get("output_top_logprobs", []),
+                        )
+                    yield _sse({**chunk, "choices": [choice]})
                 if reason is not None:
                     yield _sse(
                         {**chunk, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}
@@ -349,7 +391,9 @@ def create_app(engine: Engine) -> FastAPI:
                     {
                         "index": i,
                         "text": r["text"],
-                        "logprobs": None,
+                        "logprobs": (
+                            completion_logprobs(r["logprobs"], r["top"]) if req.logprobs else None
+                        ),
                         "finish_reason": finish_reason(r["meta_info"].get("finish_reason")),
                     }
                     for i, r in enumerate(results)
@@ -361,9 +405,14 @@ def create_app(engine: Engine) -> FastAPI:
             chunk = {**base, "object": "text_completion"}
             metas: list[dict[str, Any]] = [{} for _ in streams]
             async for i, inc in merged(streams):
-                metas[i] = inc["meta_info"]
+                meta = metas[i] = inc["meta_info"]
                 reason = finish_reason(inc["meta_info"].get("finish_reason"))
-                if inc["text"] or reason is not None:
+                lp = None
+                if req.logprobs:
+                    lp = completion_logprobs(
+                        meta.get("output_token_logprobs", []), meta.get("output_top_logprobs", [])
+                    )
+                if inc["text"] or reason is not None or (lp and lp["tokens"]):
                     yield _sse(
                         {
                             **chunk,
@@ -371,7 +420,7 @@ def create_app(engine: Engine) -> FastAPI:
                                 {
                                     "index": i,
                                     "text": inc["text"],
-                                    "logprobs": None,
+                                    "logprobs": lp,
                                     "finish_reason": reason,
                                 }
                             ],
@@ -414,11 +463,30 @@ def create_app(engine: Engine) -> FastAPI:
             raise bad("sampling_params list must match the batch size", "sampling_params")
         rids = list(zip(per_item["rid"], per_item["priority"], per_item["extra_key"], strict=True))
         stream = bool(body.get("stream", False))
-        admit(len(items))
-        streams = []
-        for (t, ids), sp, (r, prio, key) in zip(items, params_list, rids, strict=True):
+        lp_kw = {
+            k: body[k]
+            for k in ("return_logprob", "top_logprobs_num", "logprob_start_len")
+            if k in body
+        }
+        expanded = []  # n > 1: n requests per prompt (seeded ones get seed + i)
+        for item, sp, meta in zip(items, params_list, rids, strict=True):
             if not isinstance(sp, dict):
                 raise bad("sampling_params must be an object", "sampling_params")
+            n = sp.get("n", 1)
+            if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 64:
+                batch = True
+                for i in range(n):
+                    one = {**sp, "n": 1}
+                    for seed_key in ("seed", "sampling_seed"):
+                        if isinstance(one.get(seed_key), int):
+                            one[seed_key] += i
+                    r = f"{meta[0]}-{i}" if meta[0] else None
+                    expanded.append((item, one, (r, meta[1], meta[2])))
+            else:
+                expanded.append((item, sp, meta))
+        admit(len(expanded))
+        streams = []
+        for (t, ids), sp, (r, prio, key) in expanded:
             try:
                 streams.append(
                     await engine.async_generate(
@@ -429,6 +497,7 @@ def create_app(engine: Engine) -> FastAPI:
                         stream=True,
                         priority=prio,
                         extra_key=key,
+                        **lp_kw,
                     )
                 )
             except ValueError as e:
@@ -437,6 +506,12 @@ def create_app(engine: Engine) -> FastAPI:
                 raise _value_error(e) from e
         if not stream:
             results = await collect(request, streams)
+            for r in results:  # whole-request logprob lists in meta_info, as SGLang returns
+                lps, tops = r.pop("logprobs"), r.pop("top")
+                if "output_token_logprobs" in r["meta_info"]:
+                    r["meta_info"]["output_token_logprobs"] = lps
+                if "output_top_logprobs" in r["meta_info"]:
+                    r["meta_info"]["output_top_logprobs"] = tops
             return results if batch else results[0]
 
         async def events():

@@ -49,16 +49,9 @@ def bad(message: str, param: str | None = None) -> APIError:
 
 # Fields whose feature arrives with a later issue: accepted by name, refused unless neutral.
 _LATER = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logprobs": (False, None, 0),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
-    "min_tokens": (0, None),
     "echo": (False, None),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -98,6 +91,8 @@ class ParsedRequest:
     sampling: dict[str, Any]  # Loom sampling params (SGLang names)
     priority: int | None = None
     extra_key: str | None = None  # OpenAI's cache_salt: a prefix-cache namespace
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def _constraints(body: dict[str, Any], sampling: dict[str, Any]) -> None:
@@ -171,6 +166,13 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
             "response_format",
             "regex",
             "ebnf",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "min_tokens",
+            "logprobs",
+            "top_logprobs",
         }
     )
     for key in body:
@@ -228,13 +230,53 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
         if body.get(key) is not None:
             sampling[key] = body[key]
     _constraints(body, sampling)
+    for key in ("frequency_penalty", "presence_penalty"):
+        if (v := _num(body, key, -2, 2)) is not None:
+            sampling[key] = v
+    if (v := _num(body, "repetition_penalty", 0, 2, lo_open=True)) is not None:
+        sampling["repetition_penalty"] = v
+    if (v := _num(body, "min_tokens", 0, integer=True)) is not None:
+        sampling["min_new_tokens"] = v
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias must map token ids to numbers", "logit_bias")
+        out = {}
+        for k, v in bias.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                raise bad(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise bad(f"logit_bias[{k}] must be a number in [-100, 100]", "logit_bias")
+            out[tok] = v
+        sampling["logit_bias"] = out
+    logprobs, top = _logprobs(body, chat="messages" in known)
     priority = _num(body, "priority", integer=True)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("cache_salt must be a non-empty string", "cache_salt")
     return ParsedRequest(
-        model, n, stream, bool(opts.get("include_usage")), sampling, priority, salt
+        model, n, stream, bool(opts.get("include_usage")), sampling, priority, salt, logprobs, top
     )
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-5)."""
+    value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise bad("logprobs must be a boolean", "logprobs")
+        top = _num(body, "top_logprobs", 0, 20, integer=True)
+        if top and not value:
+            raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+        return bool(value), top or 0
+    if "top_logprobs" in body:
+        raise bad("top_logprobs is a chat field; completions take logprobs=N", "top_logprobs")
+    if value is None or value is False:
+        return False, 0
+    n = _num(body, "logprobs", 0, 5, integer=True)
+    return True, n
 
 
 def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]]]:

@@ -1,0 +1,73 @@
+"""Penalties, logit bias and min_new_tokens for a whole batch, on the device.
+
+Per-request token counts live in one ``[rows, vocab]`` tensor (``PenaltyState``); a request that
+uses a penalty owns a row from its first sampled token until it finishes, so the batch's view is
+an index of rows: requests joining or leaving the batch change the index, never the counts
+(SGLang's filter/merge, without copies). Counts are updated on the device from the sampled
+token tensor, so nothing waits for the host, also under overlap scheduling.
+
+Semantics (the references in tests/test_sampling.py):
+- ``frequency_penalty`` f, ``presence_penalty`` p (OpenAI): ``logit -= f * count + p * (count >
+  0)`` over the tokens generated so far;
+- ``repetition_penalty`` r (HF ``RepetitionPenaltyLogitsProcessor``): for tokens in the prompt or
+  the output, ``logit / r`` if positive else ``logit * r``;
+- ``logit_bias``: added to the logit; ``min_new_tokens``: EOS and ``stop_token_ids`` get -inf
+  until that many tokens have been generated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PenaltyState:
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 8) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts = torch.zeros(capacity, vocab_size, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(capacity, vocab_size, dtype=torch.bool, device=device)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def alloc(self, prompt_ids: list[int]) -> int:
+        if not self.free:
+            n = self.counts.shape[0]
+            self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        row = self.free.pop()
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        ids = torch.tensor(prompt_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.in_prompt[row, ids] = True
+        return row
+
+    def release(self, row: int) -> None:
+        self.free.append(row)
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count one sampled token per row (device tensors)."""
+        self.counts.index_put_(
+            (rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    batch_rows: torch.Tensor,
+    state_rows: torch.Tensor,
+    state: PenaltyState,
+    freq: torch.Tensor,
+    pres: torch.Tensor,
+    rep: torch.Tensor,
+) -> None:
+    """In place on ``logits[batch_rows]``; per-row coefficients are ``[m]`` tensors."""
+    sub = logits.index_select(0, batch_rows)
+    counts = state.counts.index_select(0, state_rows)
+    seen_out = counts > 0
+    sub = (
+        sub - freq.unsqueeze(1) * counts.to(sub.dtype) - pres.unsqueeze(1) * seen_out.to(sub.dtype)
+    )
+    seen = seen_out | state.in_prompt.index_select(0, state_rows)
+    r = rep.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    logits.index_copy_(0, batch_rows, sub)
