@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import loom
-from loom.sampling.penalties import PenaltyState, apply_penalties
+from loom.sampling.penalties import PenaltyState
 from loom.sampling.sampler import SamplingBatchInfo, sample
 from loom.sampling.sampling_params import SamplingParams
 from tests.conftest import chat_ids, save_tiny_llama
@@ -65,10 +65,67 @@ def test_20000_samples_follow_the_filtered_softmax(t, k, p, m):
     assert _chi2_p(counts[keep], expected[keep]) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "t,k,p,m", [(1.0, -1, 0.9, 0.0), (0.8, 50, 1.0, 0.0), (1.0, -1, 1.0, 0.05)]
+)
+def test_the_cpu_candidate_path_samples_the_same_distribution(t, k, p, m):
+    """A 3,000-token vocabulary whose mass sits in 12 tokens: rows are bounded within the top
+    1,024 candidates (loom.sampling.sampler.CANDIDATES) and take the partial path."""
+    from loom.sampling import sampler
+
+    logits = torch.full((3000,), -12.0)
+    logits[:10] = LOGITS
+    logits[1500] = 1.2
+    logits[2999] = 0.3
+    n = 20000
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)] * n
+    info = SamplingBatchInfo.build(params, [0] * n, 3000, torch.device("cpu"))
+    assert 3000 > sampler.CANDIDATES
+    torch.manual_seed(99)
+    draws = sample(logits.expand(n, -1).clone(), info)
+    counts = torch.bincount(draws, minlength=3000).double()
+    expected = _filtered(logits, t, k, p, m) * n
+    keep = expected > 5  # chi-square needs expected counts of a few; pool the tail
+    tail_exp, tail_got = expected[~keep].sum(), counts[~keep].sum()
+    obs = torch.cat([counts[keep], tail_got.view(1)])
+    exp = torch.cat([expected[keep], tail_exp.view(1)])
+    if tail_exp < 5:
+        assert tail_got <= 20
+        obs, exp = counts[keep], expected[keep] * (counts[keep].sum() / expected[keep].sum())
+    assert _chi2_p(obs, exp) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "t,k,p,m",
+    [(1.0, -1, 0.9, 0.0), (1.0, 1500, 1.0, 0.0), (1.0, -1, 1.0, 0.5), (0.9, 2000, 0.8, 0.3)],
+)
+def test_the_cpu_rejection_path_samples_the_same_distribution(t, k, p, m):
+    """A flat 3,000-token distribution: the filtered set reaches past the top 1,024, so rows
+    draw from the whole softmax and redraw excluded tokens (rejection)."""
+    logits = torch.linspace(-1.5, 1.5, 3000)[
+        torch.randperm(3000, generator=torch.Generator().manual_seed(1))
+    ]
+    n = 20000
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)] * n
+    info = SamplingBatchInfo.build(params, [0] * n, 3000, torch.device("cpu"))
+    torch.manual_seed(5)
+    draws = sample(logits.expand(n, -1).clone(), info)
+    expected = _filtered(logits, t, k, p, m) * n
+    counts = torch.bincount(draws, minlength=3000).double()
+    assert counts[expected == 0].sum() == 0, "an excluded token was sampled"
+    order = expected.argsort(descending=True)
+    kept = int((expected > 0).sum())
+    bins = torch.arange(kept) * 40 // kept  # 40 bins of tokens by expected probability
+    obs = torch.zeros(40, dtype=torch.float64).index_add_(0, bins, counts[order[:kept]])
+    exp = torch.zeros(40, dtype=torch.float64).index_add_(0, bins, expected[order[:kept]])
+    assert _chi2_p(obs, exp) > 1e-3
+
+
 # ---- penalties against plain references ------------------------------------------------------
 
 
-def test_penalties_match_the_formulas_and_hf():
+@pytest.mark.parametrize("path", ["sparse", "dense"])
+def test_penalties_match_the_formulas_and_hf(path):
     from transformers import RepetitionPenaltyLogitsProcessor
 
     rng = random.Random(0)
@@ -82,8 +139,11 @@ def test_penalties_match_the_formulas_and_hf():
             state.add(torch.tensor([r]), torch.tensor([t]))
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     freq, pres, rep = [0.5, 0.0, 1.2], [0.3, -0.4, 0.0], [1.0, 1.3, 0.8]
+    from loom.sampling import penalties
+
     got = logits.clone()
-    apply_penalties(
+    fn = penalties._apply_sparse if path == "sparse" else penalties._apply_dense
+    fn(
         got, torch.tensor([0, 1, 2]), torch.tensor(rows), state,
         torch.tensor(freq), torch.tensor(pres), torch.tensor(rep),
     )  # fmt: skip

@@ -38,6 +38,13 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
         help="run HF on only the first N requests (its rate is per output token either way)",
     )
     g.add_argument("--result-file", default=None, help="append a JSON line with the results")
+    g.add_argument(
+        "--sampling",
+        choices=("greedy", "penalties"),
+        default="greedy",
+        help="penalties: temperature 0.8, top_p 0.9, frequency 0.5, presence 0.3, repetition "
+        "1.1 and a logit_bias on 16 tokens, for every request (unseeded)",
+    )
 
 
 def make_requests(
@@ -53,11 +60,26 @@ def make_requests(
     return reqs
 
 
-def run_loom(engine, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+def sampling_preset(name: str, vocab: int) -> dict[str, Any]:
+    if name == "greedy":
+        return {"temperature": 0}
+    rng = random.Random(7)
+    return {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "repetition_penalty": 1.1,
+        "logit_bias": {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(16)},
+    }
+
+
+def run_loom(engine, reqs: list[tuple[list[int], int]], preset: str = "greedy") -> dict[str, Any]:
     engine.generate(
         input_ids=reqs[0][0][:8], sampling_params={"max_new_tokens": 4, "temperature": 0}
     )  # warm-up
-    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _, n in reqs]
+    extra = sampling_preset(preset, engine.vocab_size)
+    params = [{"max_new_tokens": n, "ignore_eos": True, **extra} for _, n in reqs]
     start = time.perf_counter()
     outs = engine.generate(input_ids=[ids for ids, _ in reqs], sampling_params=params)
     elapsed = time.perf_counter() - start
@@ -158,7 +180,7 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             ns.seed,
         )
         info = engine.get_server_info()
-        loom = run_loom(engine, reqs)
+        loom = run_loom(engine, reqs, ns.sampling)
         print(
             f"Loom  ({info['device']}, {info['dtype']}, {info['attention_backend']}, "
             f"{ns.num_prompts} requests, in {ns.input_len} / out {ns.output_len}): "
@@ -177,6 +199,7 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             "overlap": not server_kwargs.get("disable_overlap_schedule", False),
             "gemv": os.environ.get("LOOM_GEMV", "auto"),
             "random_range_ratio": ns.random_range_ratio,
+            "sampling": ns.sampling,
             "loom": {k: v for k, v in loom.items() if k != "output_ids"},
         }
         if ns.compare_hf:

@@ -132,15 +132,12 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def exponential_noise(
-    shape: tuple[int, int], info: SamplingBatchInfo, device: torch.device
-) -> torch.Tensor:
-    noise = torch.empty(shape, device=device).exponential_()
-    for row, seed, position in info.seeds:
-        gen = torch.Generator(device=device)
-        gen.manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
-        noise[row] = torch.empty(shape[1], device=device).exponential_(generator=gen)
-    return noise
+# On CPU, rows whose top-k / top-p / min-p set provably lies within their CANDIDATES most likely
+# tokens sample among those alone (a full-vocabulary sort costs ~47 ms for 32 x 49k on this
+# machine's two cores, a top-1024 ~5 ms). The choice depends only on the row, so seeded rows stay
+# reproducible in any batch. On CUDA every row takes the full path: no data-dependent split, no
+# host sync.
+CANDIDATES = 1024
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -148,8 +145,128 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
     if info.is_all_greedy:
         return greedy_ids
-    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    scaled = logits / info.temperatures
+    filtered = info.need_top_k or info.need_top_p or info.need_min_p
+    if logits.is_cuda or not filtered or logits.shape[-1] <= CANDIDATES:
+        sampled = _sample_full(scaled, info, None)
+        return torch.where(info.greedy, greedy_ids, sampled)
+    return _sample_cpu(scaled, info, greedy_ids)
+
+
+def _noise(rows: list[int] | None, n: int, width: int, info: SamplingBatchInfo, device):
+    """Exponential noise ``[n, width]`` for batch ``rows`` (None: all rows, in order); seeded
+    rows draw from their own generators (host-side seeding: no device sync)."""
+    # -log(U) is Exponential(1); torch's uniform generator is several times faster on CPU than
+    # exponential_ (3 vs 22 ms for 32 x 49k).
+    noise = -torch.rand((n, width), device=device).log()
+    if info.seeds:
+        where = {r: i for i, r in enumerate(rows)} if rows is not None else None
+        for row, seed, position in info.seeds:
+            i = row if where is None else where.get(row)
+            if i is not None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
+                noise[i] = -torch.rand(width, device=device, generator=gen).log()
+    return noise
+
+
+def _sub(info: SamplingBatchInfo, rows: torch.Tensor) -> SamplingBatchInfo:
+    import dataclasses
+
+    def take(t):
+        return None if t is None else t.index_select(0, rows)
+
+    return dataclasses.replace(
+        info,
+        temperatures=take(info.temperatures),
+        top_ps=take(info.top_ps),
+        top_ks=take(info.top_ks),
+        min_ps=take(info.min_ps),
+        greedy=take(info.greedy),
+    )
+
+
+def _sample_full(scaled: torch.Tensor, info: SamplingBatchInfo, rows: list[int] | None):
+    probs = torch.softmax(scaled, dim=-1)
     if info.need_top_k or info.need_top_p or info.need_min_p:
         probs = filter_probs(probs, info)
-    sampled = (probs / exponential_noise(tuple(probs.shape), info, probs.device)).argmax(dim=-1)
-    return torch.where(info.greedy, greedy_ids, sampled)
+    noise = _noise(rows, probs.shape[0], probs.shape[-1], info, probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _sample_cpu(scaled: torch.Tensor, info: SamplingBatchInfo, greedy_ids: torch.Tensor):
+    k = CANDIDATES
+    vals, idx = scaled.topk(k, dim=-1)
+    probs = (vals - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp()  # true probabilities
+    bounded = torch.zeros(len(scaled), dtype=torch.bool)
+    if info.need_top_k:
+        bounded |= info.top_ks <= k
+    if info.need_top_p:
+        bounded |= (info.top_ps < 1) & (probs.sum(-1) >= info.top_ps)
+    if info.need_min_p:
+        bounded |= (info.min_ps > 0) & (probs[:, -1] < info.min_ps * probs[:, 0])
+    bounded &= ~info.greedy
+    out = greedy_ids.clone()
+    cand = bounded.nonzero().flatten()
+    if len(cand):
+        sub = _sub(info, cand)
+        p = probs.index_select(0, cand)
+        drop = torch.zeros_like(p, dtype=torch.bool)
+        ranks = torch.arange(k).unsqueeze(0)
+        if info.need_top_k:
+            drop |= ranks >= sub.top_ks.unsqueeze(1)
+        if info.need_top_p:
+            drop |= (p.cumsum(-1) - p) >= sub.top_ps.unsqueeze(1)
+        if info.need_min_p:
+            drop |= p < (p[:, :1] * sub.min_ps.unsqueeze(1))
+        drop[:, 0] = False
+        p = p.masked_fill(drop, 0.0)
+        pick = (p / _noise(cand.tolist(), len(cand), k, info, p.device)).argmax(dim=-1)
+        out[cand] = idx.index_select(0, cand).gather(1, pick.unsqueeze(1)).squeeze(1)
+    rest = (~bounded & ~info.greedy).nonzero().flatten()
+    if len(rest):
+        out[rest] = _sample_reject(scaled.index_select(0, rest), _sub(info, rest), rest.tolist())
+    return out
+
+
+def _sample_reject(scaled: torch.Tensor, info: SamplingBatchInfo, rows: list[int]):
+    """CPU rows whose filtered set may reach past the candidates: draw from the whole softmax
+    and redraw the rows whose token top-k / top-p / min-p exclude (rejection sampling gives
+    exactly the renormalised filtered distribution); membership is one pass, no sort."""
+    probs = torch.softmax(scaled, dim=-1)
+    pmax = probs.max(dim=-1, keepdim=True).values
+    out = torch.empty(len(rows), dtype=torch.int64)
+    todo = list(range(len(rows)))
+    seeds = {row: (seed, pos) for row, seed, pos in info.seeds}
+    gens = {}
+    for i, row in enumerate(rows):
+        if row in seeds:
+            seed, pos = seeds[row]
+            gens[i] = torch.Generator().manual_seed(
+                (seed * 1_000_003 + pos) & 0x7FFF_FFFF_FFFF_FFFF
+            )
+    for _ in range(1000):
+        sel = torch.tensor(todo)
+        p = probs.index_select(0, sel)
+        noise = -torch.rand(p.shape).log()
+        for j, i in enumerate(todo):
+            if i in gens:
+                noise[j] = -torch.rand(p.shape[-1], generator=gens[i]).log()
+        tok = (p / noise).argmax(dim=-1)
+        pt = p.gather(1, tok.unsqueeze(1))
+        ok = torch.ones(len(todo), dtype=torch.bool)
+        if info.need_top_k:
+            ok &= ((p > pt).sum(-1) < info.top_ks.index_select(0, sel)) | (tok == p.argmax(-1))
+        if info.need_top_p:
+            above = (p * (p > pt)).sum(-1)
+            ok &= (above < info.top_ps.index_select(0, sel)) | (tok == p.argmax(-1))
+        if info.need_min_p:
+            ok &= pt.squeeze(1) >= info.min_ps.index_select(0, sel) * pmax.index_select(
+                0, sel
+            ).squeeze(1)
+        for j in ok.nonzero().flatten().tolist():
+            out[todo[j]] = tok[j]
+        todo = [i for j, i in enumerate(todo) if not ok[j]]
+        if not todo:
+            return out
+    raise RuntimeError("rejection sampling did not converge")
