@@ -410,13 +410,8 @@ class HiRadixCache(RadixCache):
             ck = self._child_key(key_t, extra_key, node)
             child = node.children.get(ck)
             if child is None:
-                new = TreeNode(node, key_t, rest, extra_key, now)
-                new.priority = priority
-                node.children[ck] = new
-                self.evictable_size += len(key_t)
-                self.policy.on_insert(new)
-                path.append(new)
-                node = new
+                node = self._add_leaf(node, ck, key_t, rest, extra_key, priority, now)
+                path.append(node)
                 break
             n = self._common(child.key, key_t)
             if n < len(child.key):

@@ -187,12 +187,7 @@ class RadixCache:
             ck = self._child_key(key_t, extra_key, node)
             child = node.children.get(ck)
             if child is None:
-                new = TreeNode(node, key_t, value, extra_key, now)
-                new.priority = priority
-                node.children[ck] = new
-                self.evictable_size += len(key_t)
-                self.policy.on_insert(new)
-                node = new
+                node = self._add_leaf(node, ck, key_t, value, extra_key, priority, now)
                 break
             n = self._common(child.key, key_t)
             if n < len(child.key):
@@ -222,6 +217,14 @@ class RadixCache:
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release background resources (the hierarchical cache's storage writer)."""
+
+    def _add_leaf(self, node, ck, key_t, value, extra_key, priority, now) -> TreeNode:
+        new = TreeNode(node, key_t, value, extra_key, now)
+        new.priority = priority
+        node.children[ck] = new
+        self.evictable_size += len(key_t)
+        self.policy.on_insert(new)
+        return new
 
     def _split(self, child: TreeNode, n: int, now: float) -> TreeNode:
         """Split ``child`` after ``n`` tokens; returns the new upper node."""
