@@ -83,6 +83,14 @@ class GrammarBackend(ABC):
     def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         """Set disallowed logits to -inf in place; ``mask`` is on ``logits``' device."""
 
+    def fill_vocab_masks(
+        self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]
+    ) -> None:
+        """Fill ``mask[rows[i]]`` for ``matchers[i]``; backends override this to fill the batch
+        in parallel (the library's own threads)."""
+        for m, row in zip(matchers, rows, strict=True):
+            m.fill_vocab_mask(mask, row)
+
     @staticmethod
     def reset_vocab_mask(mask: torch.Tensor) -> None:
         mask.fill_(-1)  # every bit set: everything allowed

@@ -74,6 +74,7 @@ class LLGuidanceBackend(GrammarBackend):
         self.lltok = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids or None
         )
+        self._executor = None
 
     def compile(self, kind: str, text: str) -> Any:
         ll = self._ll
@@ -107,6 +108,18 @@ class LLGuidanceBackend(GrammarBackend):
         if m.is_error():
             raise GrammarError(m.get_error())
         return LLGuidanceMatcher(m)
+
+    def fill_vocab_masks(self, matchers, mask, rows) -> None:
+        if len(matchers) > 1 and all(isinstance(m, LLGuidanceMatcher) for m in matchers):
+            from llguidance.torch import fill_next_token_bitmask_par
+
+            if self._executor is None:
+                self._executor = self._ll.LLExecutor()  # Rust threads
+            fill_next_token_bitmask_par(
+                self._executor, [(m.m, r) for m, r in zip(matchers, rows, strict=True)], mask
+            )
+        else:
+            super().fill_vocab_masks(matchers, mask, rows)
 
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         from llguidance.torch import allocate_token_bitmask

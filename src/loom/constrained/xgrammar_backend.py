@@ -45,6 +45,7 @@ class XGrammarBackend(GrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=int(options.get("max_threads", 4)))
+        self._batch = None
 
     def compile(self, kind: str, text: str) -> Any:
         c = self.compiler
@@ -63,6 +64,14 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def fill_vocab_masks(self, matchers, mask, rows) -> None:
+        if len(matchers) > 1 and all(isinstance(m, XGrammarMatcher) for m in matchers):
+            if self._batch is None:
+                self._batch = self._xgr.BatchGrammarMatcher()  # C++ threads
+            self._batch.batch_fill_next_token_bitmask([m.m for m in matchers], mask, rows)
+        else:
+            super().fill_vocab_masks(matchers, mask, rows)
 
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(batch_size, self.vocab_size)

@@ -871,9 +871,8 @@ class Scheduler:
         the forward pass just launched) and applied in place with the library's kernel."""
         backend = self.grammar_mgr.backend
         mask = backend.allocate_vocab_mask(len(reqs))
-        for i, req in enumerate(reqs):
-            if req.grammar is not None:
-                req.grammar.fill_vocab_mask(mask, i)
+        rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
+        backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
         backend.apply_vocab_mask(logits, mask.to(logits.device, non_blocking=True))
 
     def _append_token(self, req: Req, token: int, logprob=None) -> ReqOutput:

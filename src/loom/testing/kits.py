@@ -408,6 +408,16 @@ def check_grammar_backend(
     row = backend.allocate_vocab_mask(1)
     m.fill_vocab_mask(row, 0)
     assert torch.equal(row[0], mask[1]), f"{name}: rollback must restore the state"
+    # the batch fill (the backend's parallel path) gives each row what its matcher gives alone
+    others = [backend.matcher(backend.compile("regex", pat)) for pat in ("[a-z]+", "(yes|no)")]
+    batch = backend.allocate_vocab_mask(4)
+    backend.reset_vocab_mask(batch)
+    backend.fill_vocab_masks([m, *others], batch, [3, 0, 2])
+    for matcher, row in zip([m, *others], [3, 0, 2], strict=True):
+        alone = backend.allocate_vocab_mask(1)
+        matcher.fill_vocab_mask(alone, 0)
+        assert torch.equal(batch[row], alone[0]), f"{name}: fill_vocab_masks row {row} differs"
+    assert torch.all(batch[1] == -1), f"{name}: fill_vocab_masks touched a row it was not given"
     logits = torch.randn(3, vocab_size, generator=torch.Generator().manual_seed(0))
     want = logits.clone()
     want[1, ~first] = float("-inf")
