@@ -197,6 +197,13 @@ class Scheduler:
             extra = json.loads(args.hicache_storage_backend_extra_config or "{}")
             cls = plugins.resolve("hicache_storage", args.hicache_storage_backend)
             storage = cls(self._storage_namespace(), **extra)
+            if self.page_size < 8:
+                logger.warning(
+                    "--hicache-storage-backend stores one entry per page: with --page-size %d "
+                    "that is %d tokens per entry; 16-64 is usual",
+                    self.page_size,
+                    self.page_size,
+                )
         logger.info(
             "hierarchical cache: host tier %d tokens (%.1f MB), %s, storage %s",
             host_tokens,
