@@ -148,3 +148,21 @@ def test_extra_key_namespaces_the_cache(tiny):
             e.generate(input_ids=prompt, sampling_params=PARAMS, priority="high")
     assert [x["meta_info"]["cached_tokens"] for x in (a, b, a2, plain)] == [0, 0, 39, 0]
     assert a["output_ids"] == b["output_ids"] == a2["output_ids"] == plain["output_ids"]
+
+
+def test_mixed_chunk_keeps_outputs(tiny):
+    """--enable-mixed-chunk: running requests decode inside later prefill batches (long
+    prompts prefill in chunks of 32); greedy outputs are unchanged."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(20, 120))] for _ in range(8)]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    kw = dict(model=tiny, skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=32)
+    with loom.Engine(**kw) as e:
+        want = [e.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    with loom.Engine(enable_mixed_chunk=True, **kw) as e:
+        # One chunked prefill at a time: the requests admitted before it decode inside its
+        # chunks' batches.
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+        assert e.scheduler.stats.num_mixed_batches > 0
+        e.scheduler.check_kv_balance()
+    assert got == want

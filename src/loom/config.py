@@ -133,6 +133,14 @@ class ServerArgs:
         ),
     )
 
+    enable_mixed_chunk: bool = field(
+        default=False,
+        metadata=_arg(
+            "Decode the running requests inside prefill batches (flatter inter-token latency "
+            "while long prompts prefill)."
+        ),
+    )
+
     # Structured output
     grammar_backend: str = field(
         default="xgrammar",

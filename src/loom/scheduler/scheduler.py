@@ -47,6 +47,7 @@ class _ExtendItem:
     req: Req
     prefix_len: int
     extend_len: int
+    decode: bool = False  # a running request's next token, mixed into a prefill batch
 
     @property
     def completes(self) -> bool:
@@ -127,6 +128,7 @@ class SchedulerStats:
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
     num_overlapped_batches: int = 0  # decode steps launched before the previous one resolved
+    num_mixed_batches: int = 0  # prefill batches that also decoded the running requests
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
 
@@ -352,6 +354,8 @@ class Scheduler:
         outputs += self._apply_aborts()
         items = self._schedule_extend()
         if items:
+            if self.args.enable_mixed_chunk and self.running:
+                items += self._mixed_decode_items()
             outputs += self._run_extend(items)
         elif self.running:
             outputs += self._ensure_decode_room()
@@ -366,6 +370,22 @@ class Scheduler:
 
             wait([r.grammar_future for r in self.grammar_queue], 0.005, FIRST_COMPLETED)
         return outputs
+
+    def _mixed_decode_items(self) -> list[_ExtendItem]:
+        """``--enable-mixed-chunk``: the running requests decode one token inside the prefill
+        batch (an extend of one token over their cached KV) instead of waiting for it, which
+        keeps inter-token latency flat while long prompts prefill. Skipped when the pool could
+        not give every running request its next slot without evicting or retracting."""
+        need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
+        if need > self.allocator.num_free:
+            return []
+        items = []
+        for req in self.running:
+            if self._alloc_kv(req, 1) is None:  # cannot happen: room was checked
+                raise AssertionError("mixed decode slot")
+            items.append(_ExtendItem(req, req.kv_len, 1, decode=True))
+        self.stats.num_mixed_batches += 1
+        return items
 
     # ---- aborts ---------------------------------------------------------------------------
 
@@ -691,6 +711,8 @@ class Scheduler:
             logits = logits[torch.tensor(last_rows, device=logits.device)]
         for it in items:
             it.req.kv_len += it.extend_len
+            if it.decode:
+                continue
             self.stats.num_prompt_tokens += it.extend_len
             # Insert what was computed (a chunk, or the whole prompt) so that requests sharing
             # it can match it before this one finishes.
@@ -705,8 +727,9 @@ class Scheduler:
         for i, tok, lp in zip(done, tokens, lps, strict=True):
             req = reqs[i]
             outputs.append(self._append_token(req, tok, lp))
-            if not req.is_finished:
+            if not req.is_finished and not items[i].decode:
                 self.running.append(req)
+        self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
     # ---- decode ---------------------------------------------------------------------------
