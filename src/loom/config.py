@@ -95,8 +95,9 @@ class ServerArgs:
     chunked_prefill_size: int | None = field(
         default=None,
         metadata=_arg(
-            "Maximum prompt tokens prefilled for one request per step (default 8192 on CUDA, 1024 on "
-            "CPU); -1 disables chunking."
+            "Maximum prompt tokens in one prefill step, over all its requests (as SGLang; default "
+            "8192 on CUDA, 1024 on CPU); longer prompts are prefilled in chunks; -1 disables "
+            "chunking."
         ),
     )
     max_prefill_tokens: int = field(

@@ -582,7 +582,9 @@ class Scheduler:
 
     def _schedule_extend(self) -> list[_ExtendItem]:
         items: list[_ExtendItem] = []
-        budget = self.max_prefill_tokens
+        # One prefill step computes at most chunked_prefill_size prompt tokens in all (SGLang's
+        # semantics), so a burst of prompts cannot stall running requests for long.
+        budget = min(self.max_prefill_tokens, self.chunk_size)
         if self.chunked_req is not None:
             req = self.chunked_req
             n = int(min(req.seq_len - req.kv_len, self.chunk_size, budget))
