@@ -250,3 +250,40 @@ def test_reasoner_needs_a_think_end():
 
 def test_every_registered_grammar_backend_is_known():
     assert {"xgrammar", "llguidance", "reasoner", "none"} <= set(plugins.names("grammar_backend"))
+
+
+def test_overlap_with_grammars_and_processors_keeps_outputs(gengine):
+    """Under overlap scheduling, constrained and processor rows still chain: the forward of step
+    N+1 runs ahead, N is resolved (matchers advance) before N+1 is sampled. Outputs equal the
+    non-overlapped ones."""
+    e = gengine
+    ids, params = [], []
+    for task, schema in SCHEMAS[:6]:
+        ids.append(chat_ids(e, f"{task} Answer with a JSON object only."))
+        params.append({"max_new_tokens": 96, "temperature": 0, "json_schema": json.dumps(schema)})
+    for p in CHAT_PROMPTS[:2]:
+        ids.append(chat_ids(e, p))
+        params.append(
+            {
+                "max_new_tokens": 24,
+                "temperature": 0,
+                "custom_logit_processor": "no_repeat_ngram",
+                "custom_params": {"n": 2},
+            }
+        )
+    ids.append(chat_ids(e, CHAT_PROMPTS[3]))
+    params.append({"max_new_tokens": 24, "temperature": 0})
+    sched = e.scheduler
+    before = sched.overlap
+    try:
+        sched.overlap = False
+        want = [o["output_ids"] for o in e.generate(input_ids=ids, sampling_params=params)]
+        sched.overlap = True
+        n0 = sched.stats.num_overlapped_batches
+        got = [o["output_ids"] for o in e.generate(input_ids=ids, sampling_params=params)]
+        assert sched.stats.num_overlapped_batches > n0 + 10
+    finally:
+        sched.overlap = before
+    assert got == want
+    for out_ids, (_, schema) in zip(got[:6], SCHEMAS[:6], strict=True):
+        _validate(e.tokenizer.decode(out_ids, skip_special_tokens=True), schema)

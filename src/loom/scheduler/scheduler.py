@@ -343,9 +343,17 @@ class Scheduler:
             if self._can_chain():
                 # Overlap: launch decode N+1 on N's device-side tokens, then bring N's tokens to
                 # the host while the device works.
-                nxt = self._launch_decode(chained=True)
+                if self._host_before_sampling():
+                    # Grammars and logits processors need N's tokens before N+1 is sampled:
+                    # only the forward runs ahead; N is resolved (matchers advance, masks fill)
+                    # while the device computes N+1's logits.
+                    logits, reqs = self._forward_decode(chained=True)
+                    outputs += self._resolve(self._inflight)
+                    nxt = _InflightDecode.start(reqs, self._sample_device(logits, reqs))
+                else:
+                    nxt = self._launch_decode(chained=True)
+                    outputs += self._resolve(self._inflight)
                 self.stats.num_overlapped_batches += 1
-                outputs += self._resolve(self._inflight)
                 self._inflight = nxt
                 return outputs
             outputs += self._resolve(self._inflight)
@@ -739,6 +747,11 @@ class Scheduler:
     def _launch_decode(self, chained: bool) -> _InflightDecode:
         """Launch one decode step over ``running`` (room ensured). ``chained``: the previous
         step is still in flight and its sampled tokens, still on the device, are the inputs."""
+        logits, reqs = self._forward_decode(chained)
+        sampled = self._sample_device(logits, reqs, pending=1 if chained else 0)
+        return _InflightDecode.start(reqs, sampled)
+
+    def _forward_decode(self, chained: bool) -> tuple[torch.Tensor, list[Req]]:
         self.stats.num_decode_batches += 1
         reqs = list(self.running)
         locs = []
@@ -756,8 +769,7 @@ class Scheduler:
             logits = self.runner.forward_decode(reqs, input_ids, positions, locs)
         for req in reqs:
             req.kv_len += 1
-        sampled = self._sample_device(logits, reqs, pending=1 if chained else 0)
-        return _InflightDecode.start(reqs, sampled)
+        return logits, reqs
 
     def _resolve(self, inflight: _InflightDecode) -> list[ReqOutput]:
         """Wait for a launched decode step's tokens and apply them."""
@@ -784,14 +796,17 @@ class Scheduler:
             return False
         for req in self.running:
             p = req.sampling_params
-            if p.custom_logit_processor or len(req.output_ids) + 2 > p.max_new_tokens:
-                return False
-            if req.grammar is not None:  # the next mask needs this step's token
+            if len(req.output_ids) + 2 > p.max_new_tokens:
                 return False
             if req.seq_len + 2 >= self.context_len:
                 return False
         need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
         return need <= self.allocator.num_free
+
+    def _host_before_sampling(self) -> bool:
+        return any(
+            r.grammar is not None or r.sampling_params.custom_logit_processor for r in self.running
+        )
 
     def _ensure_decode_room(self) -> list[ReqOutput]:
         outputs = []
@@ -840,7 +855,7 @@ class Scheduler:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
         pen_rows = self._apply_penalties(logits, reqs, params, out_lens)
-        if any(r.grammar is not None for r in reqs):
+        if any(r.grammar is not None and not r.is_finished for r in reqs):
             self._apply_grammar_masks(logits, reqs)
         tokens = sample(logits, info)
         if pen_rows is not None:
@@ -859,7 +874,7 @@ class Scheduler:
         """Penalties, min_new_tokens and logit_bias, in place; returns the (batch rows, state
         rows) of penalised requests so their sampled tokens can be counted."""
         dev = logits.device
-        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        pen = [i for i, p in enumerate(params) if p.has_penalties and not reqs[i].is_finished]
         result = None
         if pen:
             if self.penalties is None:
@@ -903,7 +918,9 @@ class Scheduler:
         the forward pass just launched) and applied in place with the library's kernel."""
         backend = self.grammar_mgr.backend
         mask = backend.allocate_vocab_mask(len(reqs))
-        rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
+        # (a request that finished while this step's forward ran keeps an unmasked row; its
+        # token is discarded)
+        rows = [i for i, req in enumerate(reqs) if req.grammar is not None and not req.is_finished]
         backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
         backend.apply_vocab_mask(logits, mask.to(logits.device, non_blocking=True))
 
