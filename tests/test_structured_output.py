@@ -287,3 +287,39 @@ def test_overlap_with_grammars_and_processors_keeps_outputs(gengine):
     assert got == want
     for out_ids, (_, schema) in zip(got[:6], SCHEMAS[:6], strict=True):
         _validate(e.tokenizer.decode(out_ids, skip_special_tokens=True), schema)
+
+
+def test_structural_tag(gengine):
+    """xgrammar: a function-call tag whose body is JSON; llguidance refuses it by name."""
+    e = gengine
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<function="],
+            "tags": [
+                {
+                    "begin": "<function=get_weather>",
+                    "content": {"type": "json_schema", "json_schema": schema},
+                    "end": "</function>",
+                }
+            ],
+            "at_least_one": True,
+            "stop_after_first": True,
+        },
+    }
+    ids = chat_ids(e, "What's the weather in Paris? Call get_weather.")
+    params = {"max_new_tokens": 60, "temperature": 0, "structural_tag": json.dumps(tag)}
+    if e.server_args.grammar_backend == "llguidance":
+        with pytest.raises(ValueError, match="structural_tag"):
+            e.generate(input_ids=ids, sampling_params=params)
+        return
+    text = e.generate(input_ids=ids, sampling_params=params)["text"]
+    m = re.fullmatch(r"<function=get_weather>(.*)</function>", text, re.S)
+    assert m, text
+    _validate(m.group(1), schema)
