@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # More GPU comparisons (issue 4's remaining figures), one section per device call (each call is
-# capped at 10 minutes): bash bench/h200_more.sh OUTDIR {tests|gemv|b1|workloads}
+# capped at 10 minutes): bash bench/h200_more.sh OUTDIR {tests|gemv|b1|workloads|parity|structured|sampling}
 #   tests      GPU tests, including FlashInfer (if .whl/fi-stripped.tgz was carried) and the GEMV
 #   gemv       cuBLAS vs Loom's Triton GEMV per weight shape (bench/gemv_micro.py)
 #   b1         batch 1 decode: attention backends, GEMV, CUDA graphs and overlap on/off
 #   workloads  the random-length workloads (8B: 1000 requests; SmolLM2: 256) and HF at batch 64
+#   parity     bench/gpu_parity.py with peaked random weights (--init-range 0.1), every backend
+#   structured constrained vs free decoding (needs .whl2: xgrammar, llguidance, pydantic; and
+#              .tok: the SmolLM2 tokenizer saved with save_pretrained)
+#   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape)
+# The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
+# .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
@@ -36,6 +42,11 @@ latency() {  # tag, then loom bench latency flags
   $py -m loom.cli bench latency --load-format dummy --skip-tokenizer-init \
     --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
 }
+if [ -d .whl2 ] && [ ! -d /tmp/site2/xgrammar ]; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 \
+    .whl2/*.whl 2>&1 | tail -2 | tee -a "$log"
+fi
+[ -d /tmp/site2/xgrammar ] && export PYTHONPATH="/tmp/site2:$PYTHONPATH"
 L8=configs/llama-3-8b.json
 SM=configs/smollm2-135m.json
 
@@ -66,5 +77,22 @@ workloads)
   offline "smol-256-random" --model $SM --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
   offline "8b-1000-random" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
   offline "8b-b64-vs-hf" --model $L8 --num-prompts 64 --input-len 128 --output-len 256 --compare-hf --hf-batch-size 64 --mem-fraction-static 0.5
+  ;;
+parity)
+  $py bench/gpu_parity.py --init-range 0.1 $SM $L8 2>&1 | tail -4 | tee -a "$log" "$out/parity.jsonl"
+  ;;
+structured)
+  for be in xgrammar llguidance; do
+    for bs in 1 16; do
+      $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+        --grammar-backend $be --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
+        --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+    done
+  done
+  ;;
+sampling)
+  for s in greedy penalties greedy penalties; do
+    offline "smol-b32-$s" --model $SM --num-prompts 32 --input-len 128 --output-len 128 --max-running-requests 32 --sampling $s
+  done
   ;;
 esac
