@@ -246,3 +246,18 @@ def test_storage_failure_mid_run_only_costs_hits(
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     if failure == "read-only":
         assert "failed" in caplog.text
+
+
+def test_store_is_shared_by_copies_of_a_model_and_not_by_other_models(tiny, prompts, tmp_path):
+    """The namespace is the weights and KV layout, not the install path: a copy of the model
+    elsewhere hits; a model with other weights does not."""
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(tiny, copy)
+    other = save_tiny_llama(tmp_path / "other", seed=1, initializer_range=0.2, vocab_size=520)
+    kw = _storage_kw("file", tmp_path / "kv")
+    with loom.Engine(model=tiny, **kw) as e:
+        _one_by_one(e, prompts[:1])
+    with loom.Engine(model=str(copy), **kw) as e:
+        assert _one_by_one(e, prompts[:1])[0]["meta_info"]["cached_tokens"] == 36
+    with loom.Engine(model=other, **kw) as e:
+        assert _one_by_one(e, prompts[:1])[0]["meta_info"]["cached_tokens"] == 0

@@ -225,17 +225,18 @@ class Scheduler:
         )
 
     def _storage_namespace(self) -> str:
-        """The model and KV layout: stores are shared only between identical layouts."""
+        """The model's weights and the KV layout: stores are shared only between identical
+        ones, wherever the model is installed (the path itself does not count)."""
         import hashlib
-        import os
         import re
 
         pool = self.runner.kv_pool
         cfg = self.runner.model_config
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(str(cfg.path).rstrip("/")))
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(cfg.architecture))
         layout = (
-            f"{cfg.path}|{cfg.architecture}|{pool.dtype}|L{len(pool.k_buffers)}|"
-            f"H{pool.num_kv_heads}|D{pool.head_dim}|P{self.page_size}"
+            f"{model_fingerprint(str(cfg.path))}|{cfg.architecture}|{pool.dtype}|"
+            f"L{len(pool.k_buffers)}|H{pool.num_kv_heads}|D{pool.head_dim}|P{self.page_size}|"
+            f"{self.args.load_format}|seed{self.args.random_seed}"
         )
         return f"{name[:48]}-{hashlib.sha256(layout.encode()).hexdigest()[:16]}"
 
@@ -978,3 +979,26 @@ class Scheduler:
             finished_reason=req.finished_reason,
             error=req.error,
         )
+
+
+def model_fingerprint(path: str) -> str:
+    """What identifies a model's weights independently of where they are: the names and sizes
+    of its weight files (a file model: its name and size), plus its config's text."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    if os.path.isfile(path):
+        h.update(f"{os.path.basename(path)}:{os.path.getsize(path)}".encode())
+        if path.endswith(".json"):  # a config for --load-format dummy
+            with open(path, "rb") as f:
+                h.update(f.read())
+        return h.hexdigest()
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        if entry.endswith((".safetensors", ".bin", ".gguf", ".pt")):
+            h.update(f"{entry}:{os.path.getsize(full)}".encode())
+        elif entry == "config.json":
+            with open(full, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
