@@ -175,6 +175,39 @@ def test_logprobs_through_the_openai_client(client, engine, hf_model):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
+def test_completions_echo_and_best_of(client, engine):
+    kw = dict(model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=5, temperature=0)
+    plain = client.completions.create(**kw)
+    echoed = client.completions.create(echo=True, **kw)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
+    lp = client.completions.create(echo=True, logprobs=1, **kw).choices[0].logprobs
+    n_prompt = len(engine.tokenizer.encode("Once upon a time"))
+    assert len(lp.tokens) == n_prompt + 5
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == "Once upon a time" + plain.choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
+    )
+    assert streamed == echoed.choices[0].text
+    best = client.completions.create(
+        model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=6,
+        temperature=1.0, best_of=3, seed=4, logprobs=0,
+    )  # fmt: skip
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 18  # 3 samples were drawn
+    single = [
+        client.completions.create(
+            model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=6,
+            temperature=1.0, seed=4 + i, logprobs=0,
+        ).choices[0]
+        for i in range(3)
+    ]  # fmt: skip
+
+    def mean(c):
+        return sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+
+    assert best.choices[0].text == max(single, key=mean).text
+
+
 def test_sampling_extras_through_the_openai_client(client):
     kw = dict(model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=8)
     r = client.chat.completions.create(n=4, temperature=1.0, seed=11, **kw)
@@ -451,6 +484,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": MESSAGES, "min_tokens": -1}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
     (
         "/v1/chat/completions",
         {"messages": MESSAGES, "custom_logit_processor": '{"callable": "80049500"}'},

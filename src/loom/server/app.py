@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 _FIELD = re.compile(r"^([a-z_]+)[ :]")
 
 
+def _decode(engine, ids: list[int]) -> str:
+    tok = engine.tokenizer
+    return tok.decode(ids) if tok is not None else ""
+
+
+def _mean_logprob(r: dict[str, Any]) -> float:
+    lps = [lp for lp, _, _ in r["logprobs"] if lp is not None]
+    return sum(lps) / len(lps) if lps else float("-inf")
+
+
 def chat_logprobs(entries: list, tops: list) -> dict[str, Any]:
     """OpenAI chat ``logprobs`` from Loom's (logprob, id, text) entries."""
 
@@ -194,7 +204,11 @@ def create_app(engine: Engine) -> FastAPI:
         text: str | None,
         sampling: dict[str, Any],
         req: ParsedRequest | None = None,
+        logprobs: bool | None = None,
+        logprob_start_len: int = -1,
     ) -> AsyncIterator[dict[str, Any]]:
+        if logprobs is None:
+            logprobs = req.logprobs if req else False
         try:
             return await engine.async_generate(
                 prompt=text,
@@ -203,8 +217,9 @@ def create_app(engine: Engine) -> FastAPI:
                 stream=True,
                 priority=req.priority if req else None,
                 extra_key=req.extra_key if req else None,
-                return_logprob=req.logprobs if req else False,
-                top_logprobs_num=req.top_logprobs if req else 0,
+                return_logprob=logprobs,
+                top_logprobs_num=req.top_logprobs if req and req.logprobs else 0,
+                logprob_start_len=logprob_start_len,
             )
         except ValueError as e:
             raise _value_error(e) from e
@@ -374,37 +389,73 @@ def create_app(engine: Engine) -> FastAPI:
     async def completions(request: Request):
         req, prompts = parse_completion(await _json_body(request))
         check_model(req.model)
-        admit(req.n * len(prompts))
-        streams = []
+        k = req.best_of  # samples per prompt (>= n); the n best by mean logprob are returned
+        admit(k * len(prompts))
+        echo_lp = req.echo and req.logprobs
+        streams, prompt_texts = [], []
         for p in prompts:
             text, ids = (p, None) if isinstance(p, str) else (None, p)
-            for i in range(req.n):
-                streams.append(await start(ids, text, choice_params(req.sampling, req.n, i), req))
+            prompt_texts.append(text if text is not None else _decode(engine, ids))
+            for i in range(k):
+                streams.append(
+                    await start(
+                        ids,
+                        text,
+                        choice_params(req.sampling, k, i),
+                        req,
+                        logprobs=req.logprobs or k > req.n,
+                        logprob_start_len=0 if echo_lp else -1,
+                    )
+                )
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
+
+        def choice_logprobs(r: dict[str, Any]) -> dict[str, Any] | None:
+            if not req.logprobs:
+                return None
+            entries, tops = r["logprobs"], r["top"]
+            if echo_lp:
+                prompt_lps = r["meta_info"].get("input_token_logprobs", [])
+                entries = prompt_lps + entries
+                tops = [[] for _ in prompt_lps] + tops
+            return completion_logprobs(entries, tops)
+
         if not req.stream:
             results = await collect(request, streams)
+            chosen = []
+            for j in range(len(prompts)):
+                group = results[j * k : (j + 1) * k]
+                if k > req.n:
+                    group = sorted(group, key=_mean_logprob, reverse=True)[: req.n]
+                chosen += [(j, r) for r in group]
             return {
                 **base,
                 "object": "text_completion",
                 "choices": [
                     {
                         "index": i,
-                        "text": r["text"],
-                        "logprobs": (
-                            completion_logprobs(r["logprobs"], r["top"]) if req.logprobs else None
-                        ),
+                        "text": (prompt_texts[j] if req.echo else "") + r["text"],
+                        "logprobs": choice_logprobs(r),
                         "finish_reason": finish_reason(r["meta_info"].get("finish_reason")),
                     }
-                    for i, r in enumerate(results)
+                    for i, (j, r) in enumerate(chosen)
                 ],
-                "usage": usage([r["meta_info"] for r in results], req.n),
+                "usage": usage([r["meta_info"] for r in results], k),
             }
 
         async def events():
             chunk = {**base, "object": "text_completion"}
             metas: list[dict[str, Any]] = [{} for _ in streams]
+            echoed: set[int] = set()
             async for i, inc in merged(streams):
+                if req.echo and i not in echoed:
+                    echoed.add(i)
+                    first = {"text": prompt_texts[i // k], "logprobs": None, "finish_reason": None}
+                    if echo_lp:
+                        first["logprobs"] = completion_logprobs(
+                            inc["meta_info"].get("input_token_logprobs", []), []
+                        )
+                    yield _sse({**chunk, "choices": [{"index": i, **first}]})
                 meta = metas[i] = inc["meta_info"]
                 reason = finish_reason(inc["meta_info"].get("finish_reason"))
                 lp = None

@@ -52,9 +52,7 @@ _LATER = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
-    "echo": (False, None),
     "suffix": (None, ""),
-    "best_of": (None, 1),
     "lora_path": (None,),
 }
 # Metadata that does not change generation.
@@ -93,6 +91,8 @@ class ParsedRequest:
     extra_key: str | None = None  # OpenAI's cache_salt: a prefix-cache namespace
     logprobs: bool = False
     top_logprobs: int = 0
+    echo: bool = False  # completions: the prompt is returned before the completion
+    best_of: int = 1  # completions: samples per prompt, the n best returned
 
 
 def _constraints(body: dict[str, Any], sampling: dict[str, Any]) -> None:
@@ -313,7 +313,19 @@ def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]
 
 
 def parse_completion(body: dict[str, Any]) -> tuple[ParsedRequest, list[str | list[int]]]:
-    req = parse_common(body, {"prompt"})
+    req = parse_common(body, {"prompt", "echo", "best_of"})
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("echo must be a boolean", "echo")
+    req.echo = bool(echo)
+    best_of = _num(body, "best_of", 1, 20, integer=True)
+    if best_of is not None:
+        if best_of < req.n:
+            raise bad(f"best_of must be >= n ({req.n}), got {best_of}", "best_of")
+        if req.stream and best_of > req.n:
+            raise bad("best_of > n cannot be streamed", "best_of")
+        req.best_of = best_of
+    req.best_of = max(req.best_of, req.n)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list = [prompt]
