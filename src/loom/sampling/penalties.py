@@ -38,9 +38,10 @@ class PenaltyState:
         row = self.free.pop()
         self.counts[row].zero_()
         self.in_prompt[row].zero_()
-        ids = torch.tensor(prompt_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.in_prompt[row, ids] = True
-        self.prompt_ids[row] = torch.unique(ids)
+        ids_cpu = torch.tensor(prompt_ids, dtype=torch.int64)
+        self.in_prompt[row, ids_cpu.to(self.device, non_blocking=True)] = True
+        if self.device.type == "cpu":  # the sparse CPU path's list (unique on a device syncs)
+            self.prompt_ids[row] = torch.unique(ids_cpu)
         return row
 
     def release(self, row: int) -> None:
