@@ -9,6 +9,7 @@
 #   structured constrained vs free decoding (needs .whl2: xgrammar, llguidance, pydantic; and
 #              .tok: the SmolLM2 tokenizer saved with save_pretrained)
 #   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape)
+#   tritondot  Loom's Triton decode with tl.dot (LOOM_TRITON_DECODE=dot) vs the default kernel
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
@@ -88,6 +89,12 @@ structured)
         --grammar-backend $be --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
         --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
     done
+  done
+  ;;
+tritondot)
+  for v in "" dot; do
+    LOOM_TRITON_DECODE=$v latency "8b-b1-triton$v" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend triton
+    LOOM_TRITON_DECODE=$v latency "8b-b64-triton$v" --model $L8 --batch-size 64 --input-len 1024 --output-len 256 --attention-backend triton
   done
   ;;
 sampling)

@@ -41,3 +41,37 @@ def test_greedy_equals_torch_native(tiny_dir, backend):
         assert e.get_server_info()["attention_backend"] == backend
         got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     assert got == want
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_kernel_variants_match_dense_attention(use_dot, group):
+    """Both decode variants (broadcast products; tl.dot on the padded GQA group) against dense
+    attention over scattered KV slots."""
+    from loom.layers.attention.triton_ops import decode_attention
+
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, head_dim, slots = 2, 16, 400
+    heads = kv_heads * group
+    seq_lens = [1, 37, 130]
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    table = torch.zeros(4, 256, dtype=torch.int64)
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    used = 0
+    for r, n in enumerate(seq_lens):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out = decode_attention(
+        q, k_buf, v_buf, table, torch.arange(len(seq_lens)), torch.tensor(seq_lens), scale, 4,
+        use_dot=use_dot,
+    )  # fmt: skip
+    for r, n in enumerate(seq_lens):
+        idx = table[r, :n]
+        k = k_buf[idx].repeat_interleave(group, dim=1)  # [n, heads, d]
+        v = v_buf[idx].repeat_interleave(group, dim=1)
+        att = torch.softmax(torch.einsum("hd,nhd->hn", q[r], k) * scale, -1)
+        want = torch.einsum("hn,nhd->hd", att, v)
+        torch.testing.assert_close(out[r], want, rtol=1e-4, atol=1e-4)

@@ -16,9 +16,13 @@ KV slots come from the req-to-token table, so pages may lie anywhere in the pool
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+_DECODE_DOT = os.environ.get("LOOM_TRITON_DECODE", "") == "dot"
 
 
 @triton.jit
@@ -50,6 +54,8 @@ def _decode_stage1(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,7 +75,9 @@ def _decode_stage1(
         Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if not USE_DOT:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -82,8 +90,13 @@ def _decode_stage1(
             K + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_H, BLOCK_N]
+        )
+        if USE_DOT:  # the GQA group, padded to 16 rows, on tensor cores
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
+            s = s * scale
+        else:
+            k = k.to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -92,8 +105,12 @@ def _decode_stage1(
             V + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        )
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -159,9 +176,15 @@ def decode_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
-    buffers may be passed in (fixed addresses for CUDA graphs)."""
+    buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` (default: the
+    ``LOOM_TRITON_DECODE=dot`` switch) computes each GQA group's scores and outputs with
+    ``tl.dot`` (tensor cores, group padded to 16 rows) instead of broadcast products; it is a
+    candidate for large batches, not yet measured on a GPU."""
+    if use_dot is None:
+        use_dot = _DECODE_DOT
     bs, num_heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group = num_heads // kv_heads
@@ -196,11 +219,13 @@ def decode_attention(
         mid_lse.stride(1),
         scale,
         GROUP=group,
-        BLOCK_H=max(triton.next_power_of_2(group), 1),
-        BLOCK_N=32,
+        BLOCK_H=max(triton.next_power_of_2(group), 16 if use_dot else 1),
+        BLOCK_N=64 if use_dot else 32,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
+        USE_DOT=use_dot,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     _decode_stage2[(bs, num_heads)](
         mid_o,
