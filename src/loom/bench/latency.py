@@ -81,6 +81,7 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
                             "model": info["model"],
                             "cuda_graphs": info.get("cuda_graphs"),
                             "gemv": os.environ.get("LOOM_GEMV", "auto"),
+                            "triton_decode": os.environ.get("LOOM_TRITON_DECODE") or "default",
                             **best,
                         }
                     )

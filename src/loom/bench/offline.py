@@ -198,6 +198,7 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             "cuda_graphs": info.get("cuda_graphs"),
             "overlap": not server_kwargs.get("disable_overlap_schedule", False),
             "gemv": os.environ.get("LOOM_GEMV", "auto"),
+            "triton_decode": os.environ.get("LOOM_TRITON_DECODE") or "default",
             "random_range_ratio": ns.random_range_ratio,
             "sampling": ns.sampling,
             "loom": {k: v for k, v in loom.items() if k != "output_ids"},
