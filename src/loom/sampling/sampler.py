@@ -115,12 +115,12 @@ def get_processor(name: str):
     return _processor_cache[name]
 
 
-def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Zero the probabilities that top_k / top_p / min_p exclude (the top token always stays)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+def _zero_filtered(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero what top_k / top_p / min_p exclude from probabilities sorted in descending order
+    (true probabilities of the whole vocabulary, or a prefix of them); the top token stays."""
     drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
     if info.need_top_k:
-        ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+        ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device).unsqueeze(0)
         drop |= ranks >= info.top_ks.unsqueeze(1)
     if info.need_top_p:
         # drop a token when the mass strictly before it already reaches top_p
@@ -128,8 +128,13 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     if info.need_min_p:
         drop |= sorted_probs < (sorted_probs[:, :1] * info.min_ps.unsqueeze(1))
     drop[:, 0] = False
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return sorted_probs.masked_fill(drop, 0.0)
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the probabilities that top_k / top_p / min_p exclude (the top token always stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    return torch.zeros_like(probs).scatter_(-1, order, _zero_filtered(sorted_probs, info))
 
 
 # On CPU, rows whose top-k / top-p / min-p set provably lies within their CANDIDATES most likely
@@ -209,18 +214,7 @@ def _sample_cpu(scaled: torch.Tensor, info: SamplingBatchInfo, greedy_ids: torch
     out = greedy_ids.clone()
     cand = bounded.nonzero().flatten()
     if len(cand):
-        sub = _sub(info, cand)
-        p = probs.index_select(0, cand)
-        drop = torch.zeros_like(p, dtype=torch.bool)
-        ranks = torch.arange(k).unsqueeze(0)
-        if info.need_top_k:
-            drop |= ranks >= sub.top_ks.unsqueeze(1)
-        if info.need_top_p:
-            drop |= (p.cumsum(-1) - p) >= sub.top_ps.unsqueeze(1)
-        if info.need_min_p:
-            drop |= p < (p[:, :1] * sub.min_ps.unsqueeze(1))
-        drop[:, 0] = False
-        p = p.masked_fill(drop, 0.0)
+        p = _zero_filtered(probs.index_select(0, cand), _sub(info, cand))
         pick = (p / _noise(cand.tolist(), len(cand), k, info, p.device)).argmax(dim=-1)
         out[cand] = idx.index_select(0, cand).gather(1, pick.unsqueeze(1)).squeeze(1)
     rest = (~bounded & ~info.greedy).nonzero().flatten()

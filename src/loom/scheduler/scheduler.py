@@ -63,11 +63,6 @@ class _Sampled:
     top_values: torch.Tensor | None = None  # [bs, k]
     top_ids: torch.Tensor | None = None  # [bs, k]
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [
-            t for t in (self.tokens, self.logprobs, self.top_values, self.top_ids) if t is not None
-        ]
-
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda":
