@@ -171,6 +171,19 @@ class RadixCache:
             node, key_t = child, key_t[n:]
         return length, node
 
+    def cached_path(self, key: list[int], extra_key: Hashable = None) -> tuple[list[int], TreeNode]:
+        """The slots and last node of ``key``, which must be cached in full and end on a node
+        boundary (as right after inserting it). Counts no hit: a request re-locking what it
+        just inserted is not a reuse."""
+        length, node = self.peek_prefix(key, extra_key)
+        if length != len(key) or (node is self.root and key):
+            raise AssertionError("cached_path: the key is not cached up to a node boundary")
+        parts, n = [], node
+        while n is not self.root:
+            parts.append(n.value)
+            n = n.parent
+        return [s for part in reversed(parts) for s in part], node
+
     def insert(
         self, key: list[int], value: list[int], extra_key: Hashable = None, priority: int = 0
     ) -> int:

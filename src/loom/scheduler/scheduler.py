@@ -451,12 +451,9 @@ class Scheduler:
         if own and self.tree is not None and cache and req.req_pool_idx is not None:
             n = req.kv_len - req.kv_len % ps
             if n > 0:
-                table = self.req_to_token_pool.req_to_token
-                slots = table[req.req_pool_idx, :n].tolist()
-                back = self.tree.cache(req.fill_ids[:n], slots, req.extra_key, req.priority)
-                # The tree took our pages except duplicates of what it had cached already
-                # (``back``); the partial page past n is ours to free too.
-                dup = {s // ps for s in back}
+                dup = self._insert_computed(req, n)
+                # The tree took our full pages but the duplicates; the partial page past n is
+                # ours to free too.
                 self.allocator.free(
                     [p for i, p in enumerate(own, first_own) if i >= n // ps or p in dup]
                 )
@@ -498,29 +495,33 @@ class Scheduler:
             if e >= len(prompt):
                 req.pending_input_logprobs, req.input_logprob_acc = acc, []
 
+    def _insert_computed(self, req: Req, n: int) -> set[int]:
+        """Insert the request's first ``n`` (page-aligned) tokens' KV into the tree; returns the
+        pages the tree did not take (duplicates of what it already held)."""
+        ps = self.page_size
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+        back = self.tree.cache(req.fill_ids[:n], slots, req.extra_key, req.priority)
+        return {s // ps for s in back}
+
     def _cache_unfinished(self, req: Req) -> None:
-        """A chunked prefill inserts what it has computed so far, so that requests sharing the
-        prefix can match it before this one finishes; the request then holds the tree's path
-        (locked) instead of its own pages for that part."""
+        """After a prefill (a chunk, or the whole prompt) the request inserts what it has
+        computed, so that requests sharing the prefix can match it before this one finishes; it
+        then holds the tree's path (locked) instead of its own pages for that part."""
         if self.tree is None:
             return
         ps = self.page_size
         n = req.kv_len - req.kv_len % ps
         if n <= req.num_shared_pages * ps:
             return
-        table = self.req_to_token_pool.req_to_token
-        slots = table[req.req_pool_idx, :n].tolist()
-        back = {
-            s // ps for s in self.tree.cache(req.fill_ids[:n], slots, req.extra_key, req.priority)
-        }
+        back = self._insert_computed(req, n)
         # Own pages the tree did not take duplicate what another request cached meanwhile.
         dup = [
             p
             for i, p in enumerate(req.kv_pages)
             if req.num_shared_pages <= i < n // ps and p in back
         ]
-        new_slots, node = self.tree.match_prefix(req.fill_ids[:n], req.extra_key)
-        assert len(new_slots) == n, "a just-inserted prefix must match in full"
+        new_slots, node = self.tree.cached_path(req.fill_ids[:n], req.extra_key)
+        table = self.req_to_token_pool.req_to_token
         self.tree.inc_lock_ref(node)
         if req.prefix_node is not None:
             self.tree.dec_lock_ref(req.prefix_node)
