@@ -175,6 +175,22 @@ def test_logprobs_through_the_openai_client(client, engine, hf_model):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
+def test_generate_native_n_and_logprobs(server):
+    body = {
+        "text": "Once upon a time",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 3, "seed": 2},
+        "return_logprob": True,
+    }
+    outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert isinstance(outs, list) and len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) >= 2  # seeds 2, 3, 4
+    for o in outs:
+        lps = o["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == o["output_ids"]
+    again = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+
+
 def test_completions_echo_and_best_of(client, engine):
     kw = dict(model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=5, temperature=0)
     plain = client.completions.create(**kw)

@@ -292,9 +292,13 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     def choice_params(sampling: dict[str, Any], n: int, i: int) -> dict[str, Any]:
+        """Choice ``i`` of ``n`` samples of one prompt: seeded choices must still differ."""
         params = dict(sampling)
-        if n > 1 and "sampling_seed" in params:
-            params["sampling_seed"] += i  # n seeded choices must still differ
+        if n > 1:
+            params["n"] = 1
+            for key in ("seed", "sampling_seed"):  # SGLang accepts either name
+                if isinstance(params.get(key), int) and not isinstance(params[key], bool):
+                    params[key] += i
         return params
 
     # ---- OpenAI routes --------------------------------------------------------------------
@@ -527,12 +531,8 @@ def create_app(engine: Engine) -> FastAPI:
             if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 64:
                 batch = True
                 for i in range(n):
-                    one = {**sp, "n": 1}
-                    for seed_key in ("seed", "sampling_seed"):
-                        if isinstance(one.get(seed_key), int):
-                            one[seed_key] += i
                     r = f"{meta[0]}-{i}" if meta[0] else None
-                    expanded.append((item, one, (r, meta[1], meta[2])))
+                    expanded.append((item, choice_params(sp, n, i), (r, meta[1], meta[2])))
             else:
                 expanded.append((item, sp, meta))
         admit(len(expanded))
