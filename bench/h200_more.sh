@@ -21,10 +21,18 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 log="$out/log.txt"
 
-if [ -f .whl/fi-stripped.tgz ] && [ ! -d /tmp/fisite/flashinfer ]; then
-  mkdir -p /tmp/fisite && tar xzf .whl/fi-stripped.tgz -C /tmp/fisite &&
+fi_tar=$(ls .whl/fi-stripped.t?z 2>/dev/null | head -1)
+if [ -n "$fi_tar" ] && [ ! -d /tmp/fisite/flashinfer ]; then
+  mkdir -p /tmp/fisite && $py -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$fi_tar" /tmp/fisite &&
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
       .whl/apache_tvm_ffi-*.whl 2>&1 | tail -2 | tee -a "$log"
+fi
+# FlashInfer's modules JIT-compiled on an earlier machine (the "ficache" section) load as AOT
+# artifacts (flashinfer/data/aot/NAME/NAME.so) without a rebuild.
+if [ -f .whl/fi-jit.txz ] && [ -d /tmp/fisite/flashinfer ] && [ ! -d /tmp/fisite/flashinfer/data/aot ]; then
+  mkdir -p /tmp/fisite/flashinfer/data/aot &&
+    $py -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" .whl/fi-jit.txz /tmp/fisite/flashinfer/data/aot &&
+    ls /tmp/fisite/flashinfer/data/aot | tee -a "$log"
 fi
 if [ -d /tmp/fisite/flashinfer ]; then
   export PYTHONPATH="$PYTHONPATH:/tmp/fisite"
@@ -36,7 +44,7 @@ fi
 offline() {  # tag, then loom bench offline flags
   echo "== $1" | tee -a "$log"; shift
   $py -m loom.cli bench offline --load-format dummy --skip-tokenizer-init \
-    --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -4 | tee -a "$log"
+    --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -5 | tee -a "$log"
 }
 latency() {  # tag, then loom bench latency flags
   echo "== $1" | tee -a "$log"; shift
@@ -45,19 +53,49 @@ latency() {  # tag, then loom bench latency flags
 }
 if [ -d .whl2 ] && [ ! -d /tmp/site2/xgrammar ]; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 \
-    .whl2/*.whl 2>&1 | tail -2 | tee -a "$log"
+    .whl2/*.whl $(ls .whl/apache_tvm_ffi-*.whl 2>/dev/null) 2>&1 | tail -2 | tee -a "$log"
 fi
 [ -d /tmp/site2/xgrammar ] && export PYTHONPATH="/tmp/site2:$PYTHONPATH"
 L8=configs/llama-3-8b.json
 SM=configs/smollm2-135m.json
 
 case $section in
+ficache)
+  # The compiled FlashInfer modules, packed to come back under $out (carry them as .whl/fi-jit.txz)
+  $py - "$out/fi-jit.txz" <<'PYEOF' 2>&1 | tee -a "$log"
+import pathlib, sys, tarfile
+sos = [p for p in pathlib.Path(".cache/fi").rglob("*.so") if p.parent.name == p.stem]
+sos += [p for p in pathlib.Path("/tmp/fisite/flashinfer/data/aot").rglob("*.so")]
+with tarfile.open(sys.argv[1], "w:xz", preset=6) as tar:
+    for p in sos:
+        print(p, p.stat().st_size)
+        tar.add(p, arcname=f"{p.stem}/{p.name}")
+print(sys.argv[1], pathlib.Path(sys.argv[1]).stat().st_size)
+PYEOF
+  ;;
+wl8b)
+  offline "8b-1000-random" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
+  ;;
+attn)
+  $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | tail -12 | tee -a "$log"
+  ;;
+b1lite)
+  latency "8b-b1-triton" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend triton
+  LOOM_TRITON_SPLITS=8 latency "8b-b1-triton-splits8" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend triton
+  latency "8b-b1-flashinfer" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend flashinfer
+  ;;
+kprof)
+  # kernel profiles: 8B batch 1 (graphs), 8B batch 256 decode, 8B prefill-heavy
+  $py bench/gpu_kernel_profile.py $L8 1 128 64 attention_backend=triton 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
+  $py bench/gpu_kernel_profile.py $L8 256 768 32 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
+  ;;
 tests)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
   echo "CUDA_HOME=${CUDA_HOME:-unset}" | tee -a "$log"
   $py -c "import flashinfer, sys; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -3 | tee -a "$log"
   $py -m pytest -q -m gpu tests/gpu tests/test_conformance.py tests/test_triton_backend.py \
-    tests/test_gemv.py -p no:cacheprovider -x 2>&1 | tail -30 | tee -a "$log"
+    tests/test_gemv.py -p no:cacheprovider 2>&1 | tail -40 | tee -a "$log"
+  $py -m pytest -q tests/test_fused_ops.py -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
   ;;
 gemv)
   $py bench/gemv_micro.py "$out/results.jsonl" 2>&1 | tail -40 | tee -a "$log"

@@ -55,6 +55,36 @@ def test_rotary_inplace_on_qkv_slices(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_writes_kv_cache(dtype):
+    """The fused KV store: q rotated in place, rotated k and plain v land in the cache rows at
+    ``loc`` (other rows untouched), k itself is left alone."""
+    torch.manual_seed(0)
+    head_dim, hq, hk, t, slots = 32, 4, 2, 5, 16
+    rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0).to(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEVICE, dtype=dtype)
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    positions = torch.randint(0, 64, (t,), device=DEVICE)
+    cos, sin = rope.cos_sin(positions, dtype)
+    want_q, want_k = rope._rotate(q, cos, sin), rope._rotate(k, cos, sin)
+    k_before = k.clone()
+    k_cache = torch.randn(slots, hk, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn(slots, hk, head_dim, device=DEVICE, dtype=dtype)
+    k_old, v_old = k_cache.clone(), v_cache.clone()
+    loc = torch.tensor([3, 9, 0, 15, 7], device=DEVICE)
+    assert rope.can_store(q, k_cache) == q.is_cuda
+    fused_ops.rotary_inplace(q, k, cos, sin, head_dim, v, k_cache, v_cache, loc)
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(k_cache[loc].float(), want_k.view(t, hk, head_dim).float(), **tol)
+    assert torch.equal(v_cache[loc], v.reshape(t, hk, head_dim))
+    assert torch.equal(k, k_before)
+    others = torch.ones(slots, dtype=torch.bool)
+    others[loc.cpu()] = False
+    assert torch.equal(k_cache[others.to(DEVICE)], k_old[others.to(DEVICE)])
+    assert torch.equal(v_cache[others.to(DEVICE)], v_old[others.to(DEVICE)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     torch.manual_seed(0)
     x = torch.randn(5, 2 * 80, device=DEVICE, dtype=dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loom.sampling.sampler import SamplingBatchInfo, filter_probs, sample
@@ -89,3 +90,20 @@ def test_engine_seed_gives_same_text_alone_and_batched(engine):
         [{"max_new_tokens": 12, "temperature": 1.0}, params, {"max_new_tokens": 5}],
     )
     assert batched[1]["output_ids"] == alone
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 8192])
+def test_two_stage_argmax_is_argmax_with_ties(vocab):
+    """The GPU's two-stage argmax returns torch.argmax's index, the first maximum, on ties too."""
+    from loom.sampling.sampler import _vocab_split, argmax_two_stage
+
+    torch.manual_seed(0)
+    c = _vocab_split(vocab)
+    assert c > 1 and vocab % c == 0
+    logits = torch.randn(6, vocab)
+    logits[1, 7] = logits[1, vocab - 3] = 50.0  # a tie across chunks
+    logits[2, 100] = logits[2, 101] = 50.0  # a tie within a chunk
+    logits[3] = 0.0  # all equal
+    logits[4, vocab - 1] = 99.0  # the last entry
+    assert torch.equal(argmax_two_stage(logits, c), logits.argmax(dim=-1))
+    assert argmax_two_stage(logits, c)[1] == 7 and argmax_two_stage(logits, c)[3] == 0

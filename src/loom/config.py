@@ -246,10 +246,11 @@ class ServerArgs:
         default=False,
         metadata=_arg("Run decode eagerly instead of replaying captured CUDA graphs."),
     )
-    cuda_graph_max_bs: int = field(
-        default=160,
+    cuda_graph_max_bs: int | None = field(
+        default=None,
         metadata=_arg(
-            "Largest decode batch captured as a CUDA graph (larger batches run eagerly)."
+            "Largest decode batch captured as a CUDA graph (larger batches run eagerly). "
+            "Default: --max-running-requests, up to 512."
         ),
     )
 
@@ -269,6 +270,8 @@ class ServerArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -200,3 +200,38 @@ def test_hierarchical_cache_on_cuda_loads_back_through_the_copy_stream(tiny_dir,
         outs = [e.generate(input_ids=p, sampling_params=params) for p in prompts[:2]]
         assert [o["output_ids"] for o in outs] == want[:2]
         assert [o["meta_info"]["cached_tokens"] for o in outs] == [36, 36]
+
+
+def test_cuda_two_stage_argmax_matches_argmax():
+    """On the GPU, greedy sampling's two-stage argmax gives torch.argmax's first maximum."""
+    from loom.sampling.sampler import argmax_rows
+
+    torch.manual_seed(0)
+    for vocab in (128256, 49152):
+        logits = torch.randn(4, vocab, device="cuda")
+        logits[1, 11] = logits[1, vocab - 5] = 60.0
+        logits[2] = 1.0
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+        assert argmax_rows(logits)[1].item() == 11 and argmax_rows(logits)[2].item() == 0
+
+
+def test_cuda_rotary_store_matches_set_kv():
+    """The fused rotary + KV store writes what rotary followed by the pool's set_kv writes."""
+    from loom.layers import fused_ops
+    from loom.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    d, hq, hk, t, slots = 128, 32, 8, 7, 64
+    rope = RotaryEmbedding(d, d, 4096, 500000.0).cuda()
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    pos = torch.randint(0, 4096, (t,), device="cuda")
+    cos, sin = rope.cos_sin(pos, torch.bfloat16)
+    loc = torch.randperm(slots, device="cuda")[:t]
+    kc = torch.zeros(slots, hk, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    q2, k2 = q.clone(), k.clone()
+    fused_ops.rotary_inplace(q2, k2, cos, sin, d)
+    fused_ops.rotary_inplace(q, k, cos, sin, d, v, kc, vc, loc)
+    assert torch.equal(q, q2)
+    assert torch.equal(kc[loc], k2.view(t, hk, d)) and torch.equal(vc[loc], v.view(t, hk, d))

@@ -80,9 +80,11 @@ def run_loom(engine, reqs: list[tuple[list[int], int]], preset: str = "greedy") 
     )  # warm-up
     extra = sampling_preset(preset, engine.vocab_size)
     params = [{"max_new_tokens": n, "ignore_eos": True, **extra} for _, n in reqs]
+    before = dict(engine.get_server_info())
     start = time.perf_counter()
     outs = engine.generate(input_ids=[ids for ids, _ in reqs], sampling_params=params)
     elapsed = time.perf_counter() - start
+    steps = step_profile(before, engine.get_server_info())
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     tpots = [
         (o["meta_info"]["e2e_latency"] - o["meta_info"]["ttft"])
@@ -95,8 +97,37 @@ def run_loom(engine, reqs: list[tuple[list[int], int]], preset: str = "greedy") 
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / elapsed,
         "mean_tpot_ms": 1000 * sum(tpots) / max(1, len(tpots)),
+        "steps": steps,
         "output_ids": [o["output_ids"] for o in outs],
     }
+
+
+_STEP_KEYS = (
+    "num_prefill_batches",
+    "num_decode_batches",
+    "num_decode_tokens",
+    "num_prompt_tokens",
+    "num_retractions",
+    "time_prefill_s",
+    "time_decode_s",
+    "time_device_wait_s",
+)
+
+
+def step_profile(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Where the scheduler's time went during a run: the counters' differences."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in _STEP_KEYS}
+    d["mean_decode_batch"] = d["num_decode_tokens"] / max(1, d["num_decode_batches"])
+    return d
+
+
+def format_step_profile(p: dict[str, Any]) -> str:
+    return (
+        f"  steps: {p['num_prefill_batches']} prefill ({p['num_prompt_tokens']} prompt tokens, "
+        f"{p['time_prefill_s']:.2f} s), {p['num_decode_batches']} decode (mean batch "
+        f"{p['mean_decode_batch']:.1f}, {p['time_decode_s']:.2f} s); host blocked on the device "
+        f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions"
+    )
 
 
 def build_hf_model(engine):
@@ -187,6 +218,7 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             f"{loom['output_tokens_per_s']:.1f} output tokens/s, "
             f"mean TPOT {loom['mean_tpot_ms']:.1f} ms, {loom['elapsed_s']:.2f} s"
         )
+        print(format_step_profile(loom["steps"]))
         result = {
             "num_prompts": ns.num_prompts,
             "input_len": ns.input_len,

@@ -56,34 +56,53 @@ if HAS_TRITON:
     def _rotary_kernel(
         Q,
         K,
+        V,
         Cos,
         Sin,
+        KCache,
+        VCache,
+        Loc,
         stride_q,
         stride_k,
+        stride_v,
         stride_c,
+        stride_kc,
+        stride_vc,
         num_q_heads,
-        num_k_heads,
         HEAD_DIM: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
+        STORE: tl.constexpr,
     ):
+        # One program per (token, head): q heads are rotated in place; k heads are rotated in
+        # place, or (STORE) written rotated into the KV cache at the token's slot together
+        # with the token's v head.
         t = tl.program_id(0)
+        h = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
         cos = tl.load(Cos + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(Sin + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
-        for h in range(0, num_q_heads):
-            base = Q + t * stride_q + h * HEAD_DIM
-            x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(base + offs, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mask)
-            tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mask)
-        for h in range(0, num_k_heads):
-            base = K + t * stride_k + h * HEAD_DIM
-            x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(base + offs, (x1 * cos - x2 * sin).to(K.dtype.element_ty), mask=mask)
-            tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=mask)
+        if h < num_q_heads:
+            src = Q + t * stride_q + h * HEAD_DIM
+            dst = src
+        else:
+            kh = h - num_q_heads
+            src = K + t * stride_k + kh * HEAD_DIM
+            dst = src
+            if STORE:
+                slot = tl.load(Loc + t)
+                dst = KCache + slot * stride_kc + kh * HEAD_DIM
+                vsrc = V + t * stride_v + kh * HEAD_DIM
+                vdst = VCache + slot * stride_vc + kh * HEAD_DIM
+                v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
+                v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
+                tl.store(vdst + offs, v1.to(VCache.dtype.element_ty), mask=mask)
+                tl.store(vdst + HALF + offs, v2.to(VCache.dtype.element_ty), mask=mask)
+        x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst + offs, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + offs, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(X, Out, stride_x, stride_o, D, BLOCK: tl.constexpr):
@@ -127,26 +146,53 @@ def add_rmsnorm(
 
 
 def rotary_inplace(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    loc: torch.Tensor | None = None,
 ) -> None:
     """Rotate ``q [T, Hq * D]`` and ``k [T, Hk * D]`` in place (row strides may exceed the
-    width: they can be column slices of a fused qkv output). ``cos``/``sin`` are ``[T, D/2]``."""
+    width: they can be column slices of a fused qkv output). ``cos``/``sin`` are ``[T, D/2]``.
+
+    With ``k_cache``/``v_cache`` (``[slots, Hk, D]``) and ``loc`` (``[T]`` slots), the rotated
+    k and the unchanged ``v`` are written into the caches instead (``k`` is left as it was):
+    the KV store of the attention layer, fused into this kernel."""
     half = head_dim // 2
     cos = cos.reshape(cos.shape[0], -1)
     sin = sin.reshape(sin.shape[0], -1)
-    _rotary_kernel[(q.shape[0],)](
+    num_q, num_k = q.shape[1] // head_dim, k.shape[1] // head_dim
+    store = k_cache is not None
+    if store:
+        kc, vc = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
+    else:
+        v, kc, vc, loc = k, k, k, k  # unused
+    if q.shape[0] == 0:
+        return
+    _rotary_kernel[(q.shape[0], num_q + num_k)](
         q,
         k,
+        v,
         cos,
         sin,
+        kc,
+        vc,
+        loc,
         q.stride(0),
         k.stride(0),
+        v.stride(0),
         cos.stride(0),
-        q.shape[1] // head_dim,
-        k.shape[1] // head_dim,
+        kc.stride(0),
+        vc.stride(0),
+        num_q,
         HEAD_DIM=head_dim,
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
+        STORE=store,
     )
 
 

@@ -87,6 +87,16 @@ class RotaryEmbedding(nn.Module):
             return q, k
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def can_store(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether :meth:`forward_store` can run (the fused kernel, a cache of q's dtype)."""
+        return use_fused(q) and self.rotary_dim == self.head_dim and k_cache.dtype == q.dtype
+
+    def forward_store(self, q, k, v, cos_sin, k_cache, v_cache, loc) -> None:
+        """Rotate ``q`` in place and write rotated ``k`` and ``v`` into the KV cache at
+        ``loc``, in one kernel (check :meth:`can_store` first)."""
+        cos, sin = cos_sin
+        rotary_inplace(q, k, cos, sin, self.head_dim, v, k_cache, v_cache, loc)
+
 
 def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from an HF config, for transformers 4.x and 5.x layouts."""

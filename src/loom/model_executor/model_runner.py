@@ -33,6 +33,7 @@ _AUTO_BACKENDS = {
     "cpu": ["torch_native"],
 }
 _MAX_AUTO_RUNNING = 512
+_MAX_GRAPH_BS = 512
 _CPU_MAX_AUTO_TOKENS = 1 << 18
 
 
@@ -97,7 +98,9 @@ class ModelRunner:
         ):
             from loom.model_executor.cuda_graph_runner import CudaGraphRunner
 
-            max_bs = min(args.cuda_graph_max_bs, self.max_running_requests)
+            # Eager decode of a large model costs ~10 ms of host time per step (hundreds of
+            # launches), which large batches cannot hide: capture up to the running limit.
+            max_bs = min(args.cuda_graph_max_bs or _MAX_GRAPH_BS, self.max_running_requests)
             self.cuda_graph_runner = CudaGraphRunner(self, max_bs)
 
     # ---- memory ---------------------------------------------------------------------------

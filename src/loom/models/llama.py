@@ -68,6 +68,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        pool = batch.kv_pool
+        if cos_sin is not None and pool is not None:
+            k_cache, v_cache = pool.get_kv(self.attn.layer_id)
+            if self.rotary_emb.can_store(q, k_cache):
+                # One kernel rotates q and k and stores k and v into the KV pool.
+                self.rotary_emb.forward_store(
+                    q, k, v, cos_sin, k_cache, v_cache, batch.out_cache_loc
+                )
+                return self.o_proj(self.attn(q, None, None, batch, save_kv=False))
         q, k = self.rotary_emb(positions, q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, batch))
 

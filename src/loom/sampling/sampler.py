@@ -8,6 +8,8 @@ request gives the same tokens alone or in any batch.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -145,9 +147,42 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 CANDIDATES = 1024
 
 
+@functools.cache
+def _vocab_split(vocab: int) -> int:
+    """The divisor of ``vocab`` nearest its square root (1 if there is none in [32, 4096])."""
+    root = math.isqrt(vocab)
+    best = 1
+    for c in range(32, 4097):
+        if vocab % c == 0 and abs(c - root) < abs(best - root):
+            best = c
+    return best
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first maximum of each row). On a GPU, a few rows over a large
+    vocabulary reduce in two stages: one row's single-output reduction used a fraction of the
+    GPU (28 us for Llama-3's 128,256 entries on an H200)."""
+    bs, vocab = logits.shape
+    if not logits.is_cuda or bs > 16 or vocab < 8192:
+        return logits.argmax(dim=-1)
+    c = _vocab_split(vocab)
+    if c == 1:
+        return logits.argmax(dim=-1)
+    return argmax_two_stage(logits, c)
+
+
+def argmax_two_stage(logits: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Row argmax via ``chunks`` equal chunks (``chunks`` divides the vocabulary)."""
+    bs, vocab = logits.shape
+    width = vocab // chunks
+    vals, idx = logits.view(bs, chunks, width).max(dim=-1)  # first maximum within each chunk
+    best = vals.argmax(dim=-1)  # the first chunk holding the row's maximum
+    return best * width + idx.gather(1, best.unsqueeze(1)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]``."""
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if info.is_all_greedy:
         return greedy_ids
     scaled = logits / info.temperatures

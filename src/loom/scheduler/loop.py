@@ -57,6 +57,12 @@ def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
         "num_retractions": sched.stats.num_retractions,
         "num_generated_tokens": sched.stats.num_generated_tokens,
         "num_prompt_tokens": sched.stats.num_prompt_tokens,
+        "num_prefill_batches": sched.stats.num_prefill_batches,
+        "num_decode_batches": sched.stats.num_decode_batches,
+        "num_decode_tokens": sched.stats.num_decode_tokens,
+        "time_prefill_s": sched.stats.time_prefill_s,
+        "time_decode_s": sched.stats.time_decode_s,
+        "time_device_wait_s": sched.stats.time_device_wait_s,
     }
 
 

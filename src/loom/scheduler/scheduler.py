@@ -95,9 +95,12 @@ class _InflightDecode:
             event.record()
         return cls(reqs, out.tokens, host, event)
 
-    def host_results(self) -> tuple[list[int], list]:
+    def host_results(self, stats: SchedulerStats | None = None) -> tuple[list[int], list]:
         if self.event is not None:
+            t = time.perf_counter()
             self.event.synchronize()
+            if stats is not None:
+                stats.time_device_wait_s += time.perf_counter() - t
         return self.host.tokens.tolist(), _logprob_rows(self.host, len(self.reqs))
 
 
@@ -126,6 +129,12 @@ class SchedulerStats:
     num_mixed_batches: int = 0  # prefill batches that also decoded the running requests
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_decode_tokens: int = 0  # the decode batches' sizes, summed
+    # Host wall time inside step(), by the kind of batch the step ran, and the part of it spent
+    # blocked on the device's results (near the step time: device-bound; near 0: host-bound).
+    time_prefill_s: float = 0.0
+    time_decode_s: float = 0.0
+    time_device_wait_s: float = 0.0
 
 
 class Scheduler:
@@ -334,6 +343,17 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
+        t = time.perf_counter()
+        prefills = self.stats.num_prefill_batches
+        outputs = self._step()
+        dt = time.perf_counter() - t
+        if self.stats.num_prefill_batches != prefills:
+            self.stats.time_prefill_s += dt
+        else:
+            self.stats.time_decode_s += dt
+        return outputs
+
+    def _step(self) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
         if self._inflight is not None:
             if self._can_chain():
@@ -728,7 +748,9 @@ class Scheduler:
         if not done:
             return []
         sampled = self._sample_device(logits[done], [reqs[i] for i in done])
+        t = time.perf_counter()
         tokens = sampled.tokens.tolist()
+        self.stats.time_device_wait_s += time.perf_counter() - t
         lps = _logprob_rows(sampled, len(done))
         outputs = []
         for i, tok, lp in zip(done, tokens, lps, strict=True):
@@ -750,6 +772,7 @@ class Scheduler:
 
     def _forward_decode(self, chained: bool) -> tuple[torch.Tensor, list[Req]]:
         self.stats.num_decode_batches += 1
+        self.stats.num_decode_tokens += len(self.running)
         reqs = list(self.running)
         locs = []
         for req in reqs:
@@ -771,7 +794,7 @@ class Scheduler:
     def _resolve(self, inflight: _InflightDecode) -> list[ReqOutput]:
         """Wait for a launched decode step's tokens and apply them."""
         outputs = []
-        tokens, lps = inflight.host_results()
+        tokens, lps = inflight.host_results(self.stats)
         for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
             if req.is_finished:  # finished by the step before (overlap ran one step past it)
                 continue

@@ -23,6 +23,13 @@ class Attention(nn.Module):
         self.scaling = scaling
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        batch: ForwardBatch,
+        save_kv: bool = True,
     ) -> torch.Tensor:
-        return batch.attn_backend.forward(q, k, v, self, batch)
+        """``save_kv=False``: the caller already wrote this batch's K/V into the pool (e.g. the
+        fused rotary kernel), and ``k``/``v`` may be None."""
+        return batch.attn_backend.forward(q, k, v, self, batch, save_kv=save_kv)

@@ -18,6 +18,17 @@ from loom.layers.attention.base import AttentionBackend
 DEFAULT_NUM_KV_SPLITS = 8
 
 
+def num_kv_splits(bs: int, kv_heads: int) -> int:
+    """Splits of each request's KV in decode: enough programs to fill the GPU at small batch
+    sizes (batch 1 of an 8-KV-head model: 8 x 16 = 128 programs), 8 otherwise.
+    ``LOOM_TRITON_SPLITS`` overrides (for measuring)."""
+    forced = os.environ.get("LOOM_TRITON_SPLITS")
+    if forced:
+        return int(forced)
+    programs = bs * kv_heads * DEFAULT_NUM_KV_SPLITS
+    return DEFAULT_NUM_KV_SPLITS * 2 if programs < 128 else DEFAULT_NUM_KV_SPLITS
+
+
 @dataclass
 class _Metadata:
     q_start: torch.Tensor | None = None
@@ -28,10 +39,6 @@ class _Metadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        self.num_kv_splits = DEFAULT_NUM_KV_SPLITS
 
     @classmethod
     def is_supported(cls, device: torch.device) -> bool:
@@ -87,6 +94,6 @@ class TritonAttnBackend(AttentionBackend):
             batch.req_pool_indices,
             batch.seq_lens,
             layer.scaling,
-            self.num_kv_splits,
+            num_kv_splits(batch.batch_size, layer.num_kv_heads),
         )
         return out.view(-1, layer.num_heads * layer.head_dim)

@@ -91,6 +91,12 @@ def _decode_stage1(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+        # V depends only on the slots: issue its load now, so both are in flight together.
+        v = tl.load(
+            V + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         if USE_DOT:  # the GQA group, padded to 16 rows, on tensor cores
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
             s = s * scale
@@ -101,11 +107,6 @@ def _decode_stage1(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(
-            V + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
         if USE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         else:

@@ -1,0 +1,118 @@
+"""Decode attention alone, Llama-3-8B's shape (32 query heads, 8 KV heads, head_dim 128, bf16):
+Loom's Triton kernel (splits, tl.dot variant) against FlashInfer's decode (when it imports),
+timed as CUDA graphs, with the bytes of KV read per second.
+
+python bench/attn_micro.py [RESULTS.jsonl]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from loom.layers.attention.triton_ops import decode_attention
+
+HQ, HK, D = 32, 8, 128
+
+
+def setup(bs: int, ctx: int):
+    slots = bs * ctx + 1
+    k = torch.randn(slots, HK, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    perm = torch.randperm(slots - 1, device="cuda") + 1
+    table = perm.view(bs, ctx).contiguous()
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(bs, device="cuda")
+    lens = torch.full((bs,), ctx, device="cuda", dtype=torch.int64)
+    return q, k, v, table, rows, lens
+
+
+def triton_time(bs, ctx, splits, dot):
+    q, k, v, table, rows, lens = setup(bs, ctx)
+    mid_o = torch.empty(bs, HQ, splits, D, device="cuda", dtype=torch.float32)
+    mid_l = torch.empty(bs, HQ, splits, device="cuda", dtype=torch.float32)
+    out = torch.empty_like(q)
+
+    def fn():
+        decode_attention(q, k, v, table, rows, lens, D**-0.5, splits, mid_o, mid_l, out, dot)
+
+    fn()
+    return do_bench_cudagraph(fn, rep=50)
+
+
+def flashinfer_time(bs, ctx):
+    import flashinfer
+
+    q, k, v, table, rows, lens = setup(bs, ctx)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    indptr = torch.arange(bs + 1, dtype=torch.int32) * ctx
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=True,
+        paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device="cuda"),
+        paged_kv_indices_buffer=torch.zeros(bs * ctx, dtype=torch.int32, device="cuda"),
+        paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device="cuda"),
+    )
+    w.plan(
+        indptr,
+        table.flatten().to(torch.int32),
+        torch.ones(bs, dtype=torch.int32),
+        HQ,
+        HK,
+        D,
+        1,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    kv = (k.view(-1, 1, HK, D), v.view(-1, 1, HK, D))
+
+    def fn():
+        w.run(q, kv)
+
+    fn()
+    return do_bench_cudagraph(fn, rep=50)
+
+
+def main() -> None:
+    results = sys.argv[1] if len(sys.argv) > 1 else None
+    try:
+        import flashinfer  # noqa: F401
+
+        have_fi = True
+    except Exception:  # noqa: BLE001
+        have_fi = False
+    for bs, ctx in [(1, 256), (1, 1024), (8, 1024), (64, 1024), (256, 1024), (512, 850)]:
+        kv_bytes = bs * ctx * HK * D * 2 * 2
+        row = {"bs": bs, "ctx": ctx}
+        variants = [("triton-8", 8, False), ("triton-16", 16, False), ("triton-32", 32, False)]
+        variants += [("triton-dot-8", 8, True), ("triton-dot-16", 16, True)]
+        for name, splits, dot in variants:
+            try:
+                row[name] = triton_time(bs, ctx, splits, dot) * 1000
+            except Exception as e:  # noqa: BLE001
+                row[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        if have_fi:
+            try:
+                row["flashinfer"] = flashinfer_time(bs, ctx) * 1000
+            except Exception as e:  # noqa: BLE001
+                row["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        cells = "  ".join(
+            f"{k} {v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)"
+            if isinstance(v, float)
+            else f"{k} {v}"
+            for k, v in row.items()
+            if k not in ("bs", "ctx")
+        )
+        print(f"bs {bs:4d} ctx {ctx:5d}: {cells}", flush=True)
+        if results:
+            with open(results, "a") as f:
+                f.write(json.dumps({"bench": "attn_micro", **row}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
