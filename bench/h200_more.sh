@@ -76,6 +76,9 @@ PYEOF
 wl8b)
   offline "8b-1000-random" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
   ;;
+quicktests)
+  $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
+  ;;
 attn)
   $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | tail -12 | tee -a "$log"
   ;;

@@ -4,6 +4,7 @@ behaviour through the Engine (min_new_tokens, ignore_eos, stop strings, n, proce
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -124,8 +125,12 @@ def test_the_cpu_rejection_path_samples_the_same_distribution(t, k, p, m):
 # ---- penalties against plain references ------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["sparse", "dense"])
+@pytest.mark.parametrize("path", ["sparse", "dense", "kernel"])
 def test_penalties_match_the_formulas_and_hf(path):
+    """The CPU (sparse), plain-PyTorch dense and Triton kernel paths (CPU: Triton's
+    interpreter) against the formulas and HF's repetition penalty."""
+    if path == "kernel" and importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
     from transformers import RepetitionPenaltyLogitsProcessor
 
     rng = random.Random(0)
@@ -142,7 +147,11 @@ def test_penalties_match_the_formulas_and_hf(path):
     from loom.sampling import penalties
 
     got = logits.clone()
-    fn = penalties._apply_sparse if path == "sparse" else penalties._apply_dense
+    fn = {
+        "sparse": penalties._apply_sparse,
+        "dense": penalties._apply_dense,
+        "kernel": penalties._apply_kernel,
+    }[path]
     fn(
         got, torch.tensor([0, 1, 2]), torch.tensor(rows), state,
         torch.tensor(freq), torch.tensor(pres), torch.tensor(rep),

@@ -89,7 +89,7 @@ class ServerArgs:
     max_running_requests: int | None = field(
         default=None,
         metadata=_arg(
-            "Maximum requests decoded together (default: from the KV pool size, at most 512)."
+            "Maximum requests decoded together (default: from the KV pool size, at most 1024 on CUDA, 512 on CPU)."
         ),
     )
     chunked_prefill_size: int | None = field(
@@ -250,7 +250,7 @@ class ServerArgs:
         default=None,
         metadata=_arg(
             "Largest decode batch captured as a CUDA graph (larger batches run eagerly). "
-            "Default: --max-running-requests, up to 512."
+            "Default: --max-running-requests, up to 1024."
         ),
     )
 

@@ -235,3 +235,24 @@ def test_cuda_rotary_store_matches_set_kv():
     fused_ops.rotary_inplace(q, k, cos, sin, d, v, kc, vc, loc)
     assert torch.equal(q, q2)
     assert torch.equal(kc[loc], k2.view(t, hk, d)) and torch.equal(vc[loc], v.view(t, hk, d))
+
+
+def test_cuda_penalty_kernel_matches_dense_path():
+    """The fused penalties kernel against the plain-PyTorch dense path, on the GPU."""
+    from loom.sampling import penalties
+    from loom.sampling.penalties import PenaltyState
+
+    torch.manual_seed(0)
+    vocab = 49152
+    state = PenaltyState(vocab, torch.device("cuda"), capacity=2)
+    rows = [state.alloc(torch.randint(0, vocab, (40,)).tolist()) for _ in range(5)]
+    for _ in range(30):
+        state.add(torch.tensor(rows, device="cuda"), torch.randint(0, vocab, (5,), device="cuda"))
+    logits = torch.randn(7, vocab, device="cuda")
+    batch = torch.tensor([6, 0, 3, 2, 5], device="cuda")
+    srows = torch.tensor(rows, device="cuda")
+    coef = [torch.rand(5, device="cuda") for _ in range(2)] + [1 + torch.rand(5, device="cuda")]
+    want, got = logits.clone(), logits.clone()
+    penalties._apply_dense(want, batch, srows, state, *coef)
+    penalties._apply_kernel(got, batch, srows, state, *coef)
+    torch.testing.assert_close(got, want)

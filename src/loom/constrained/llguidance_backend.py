@@ -71,9 +71,15 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance.hf
 
         self._ll = llguidance
-        self.lltok = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids or None
-        )
+        stops = list(self.stop_token_ids or [])
+        try:
+            self.lltok = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=stops or None
+            )
+        except TypeError:  # llguidance < 1.7 takes a single end-of-sequence id
+            self.lltok = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=stops[0] if stops else None
+            )
         self._executor = None
 
     def compile(self, kind: str, text: str) -> Any:

@@ -17,6 +17,9 @@ Semantics (the references in tests/test_sampling.py):
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 
@@ -49,9 +52,78 @@ class PenaltyState:
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count one sampled token per row (device tensors)."""
-        self.counts.index_put_(
-            (rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
-        )
+        # index_add_ on the flat view: atomic adds (index_put_ with accumulate sorts first)
+        flat = rows * self.counts.shape[1] + tokens
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _penalties_kernel(
+        Logits,
+        BatchRows,
+        StateRows,
+        Counts,
+        InPrompt,
+        Freq,
+        Pres,
+        Rep,
+        stride_l,
+        stride_c,
+        stride_p,
+        V,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per (penalised row, block of the vocabulary): frequency and presence
+        # penalties, then repetition, in one pass (the plain-PyTorch path is ~12 kernels).
+        i = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < V
+        b = tl.load(BatchRows + i)
+        s = tl.load(StateRows + i)
+        x = tl.load(Logits + b * stride_l + cols, mask=mask, other=0.0)
+        c = tl.load(Counts + s * stride_c + cols, mask=mask, other=0).to(tl.float32)
+        p = tl.load(InPrompt + s * stride_p + cols, mask=mask, other=0)
+        f = tl.load(Freq + i)
+        pr = tl.load(Pres + i)
+        r = tl.load(Rep + i)
+        seen_out = c > 0
+        x = x - f * c - pr * seen_out.to(tl.float32)
+        seen = seen_out | (p != 0)
+        x = tl.where(seen, tl.where(x > 0, x / r, x * r), x)
+        tl.store(Logits + b * stride_l + cols, x, mask=mask)
+
+
+def _use_kernel(logits: torch.Tensor) -> bool:
+    return importlib.util.find_spec("triton") is not None and (
+        logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    )
+
+
+def _apply_kernel(logits, batch_rows, state_rows, state, freq, pres, rep) -> None:
+    """``_apply_dense`` as one Triton kernel (fp32 logits, in place)."""
+    m, vocab = batch_rows.shape[0], logits.shape[-1]
+    if m == 0:
+        return
+    block = 4096
+    _penalties_kernel[(m, triton.cdiv(vocab, block))](
+        logits,
+        batch_rows,
+        state_rows,
+        state.counts,
+        state.in_prompt.view(torch.int8),
+        freq.contiguous(),
+        pres.contiguous(),
+        rep.contiguous(),
+        logits.stride(0),
+        state.counts.stride(0),
+        state.in_prompt.stride(0),
+        vocab,
+        BLOCK=block,
+    )
 
 
 def apply_penalties(
@@ -64,7 +136,12 @@ def apply_penalties(
     rep: torch.Tensor,
 ) -> None:
     """In place on ``logits[batch_rows]``; per-row coefficients are ``[m]`` tensors."""
-    fn = _apply_sparse if logits.device.type == "cpu" else _apply_dense
+    if logits.device.type == "cpu":
+        fn = _apply_sparse
+    elif logits.dtype == torch.float32 and logits.stride(1) == 1 and _use_kernel(logits):
+        fn = _apply_kernel
+    else:
+        fn = _apply_dense
     fn(logits, batch_rows, state_rows, state, freq, pres, rep)
 
 

@@ -121,6 +121,19 @@ def _logprob_rows(s: _Sampled, bs: int) -> list:
 
 
 @dataclass
+class _SamplingPlan:
+    """One batch's sampling tensors on the device (see ``Scheduler._sampling_plan``)."""
+
+    key: tuple
+    info: SamplingBatchInfo
+    seeded: list[int]  # rows with a sampling_seed
+    want_logprobs: bool
+    has_grammar: bool
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, state, coef
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
+
+
+@dataclass
 class SchedulerStats:
     num_retractions: int = 0
     num_prefill_batches: int = 0
@@ -183,6 +196,7 @@ class Scheduler:
         self.grammar_queue: list[Req] = []
         self.grammar_mgr = None
         self.penalties: PenaltyState | None = None  # allocated with the first penalised request
+        self._plan_cache: _SamplingPlan | None = None
 
     def _build_hicache(self, policy):
         import json
@@ -866,20 +880,27 @@ class Scheduler:
         sampled but not yet appended (overlap), which shifts output positions. Order: custom
         processors, penalties, min_new_tokens, logit_bias, the grammar mask, then temperature
         and top-k/top-p/min-p. Logprobs are of the raw logits (before any of these)."""
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
         params = [r.sampling_params for r in reqs]
         out_lens = [len(r.output_ids) + pending for r in reqs]
-        info = SamplingBatchInfo.build(params, out_lens, logits.shape[-1], logits.device)
-        want_lp = any(r.return_logprob for r in reqs)
+        plan = self._sampling_plan(logits, reqs, params, out_lens)
+        info = plan.info
+        want_lp = plan.want_logprobs
         raw = logits.clone() if want_lp else None
         if info.processors:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
-        pen_rows = self._apply_penalties(logits, reqs, params, out_lens)
-        if any(r.grammar is not None and not r.is_finished for r in reqs):
+        if plan.penalties is not None:
+            batch_rows, state_rows, coef = plan.penalties
+            apply_penalties(logits, batch_rows, state_rows, self.penalties, *coef.unbind(0))
+        if plan.bias is not None:
+            flat, v = plan.bias
+            logits.view(-1).index_add_(0, flat, v)  # atomic adds: no sort, no sync
+        if plan.has_grammar:
             self._apply_grammar_masks(logits, reqs)
         tokens = sample(logits, info)
-        if pen_rows is not None:
-            batch_rows, state_rows = pen_rows
+        if plan.penalties is not None:
             self.penalties.add(state_rows, tokens.index_select(0, batch_rows))
         out = _Sampled(tokens)
         if want_lp:
@@ -890,12 +911,37 @@ class Scheduler:
                 out.top_values, out.top_ids = lsm.topk(k, dim=-1)
         return out
 
-    def _apply_penalties(self, logits, reqs, params, out_lens):
-        """Penalties, min_new_tokens and logit_bias, in place; returns the (batch rows, state
-        rows) of penalised requests so their sampled tokens can be counted."""
+    def _sampling_plan(self, logits, reqs, params, out_lens) -> _SamplingPlan:
+        """The batch's sampling tensors (per-row parameters, penalty rows and coefficients,
+        logit-bias and min_new_tokens entries), built once and reused while the batch stays the
+        same: in steady decode a step then does no per-request Python and no host-to-device
+        copy for sampling. Only seeded rows' output positions change from step to step."""
+        key = (
+            logits.shape[-1],
+            logits.device,
+            tuple(
+                (r.rid, r.is_finished, n < p.min_new_tokens)
+                for r, p, n in zip(reqs, params, out_lens, strict=True)
+            ),
+        )
+        plan = self._plan_cache
+        if plan is None or plan.key != key:
+            plan = self._plan_cache = self._build_sampling_plan(key, logits, reqs, params, out_lens)
+        if plan.seeded:
+            plan.info.seeds = [(i, params[i].sampling_seed, out_lens[i]) for i in plan.seeded]
+        return plan
+
+    def _build_sampling_plan(self, key, logits, reqs, params, out_lens) -> _SamplingPlan:
         dev = logits.device
+        info = SamplingBatchInfo.build(params, out_lens, logits.shape[-1], dev)
+        plan = _SamplingPlan(
+            key=key,
+            info=info,
+            seeded=[i for i, p in enumerate(params) if p.sampling_seed is not None],
+            want_logprobs=any(r.return_logprob for r in reqs),
+            has_grammar=any(r.grammar is not None and not r.is_finished for r in reqs),
+        )
         pen = [i for i, p in enumerate(params) if p.has_penalties and not reqs[i].is_finished]
-        result = None
         if pen:
             if self.penalties is None:
                 self.penalties = PenaltyState(logits.shape[-1], dev)
@@ -913,8 +959,7 @@ class Scheduler:
             idx = torch.tensor([pen, [reqs[i].penalty_row for i in pen]], dtype=torch.int64).to(
                 dev, non_blocking=True
             )
-            apply_penalties(logits, idx[0], idx[1], self.penalties, coef[0], coef[1], coef[2])
-            result = (idx[0], idx[1])
+            plan.penalties = (idx[0], idx[1], coef)
         rows, cols, vals = [], [], []
         for i, (p, n) in enumerate(zip(params, out_lens, strict=True)):
             if n < p.min_new_tokens:
@@ -928,10 +973,11 @@ class Scheduler:
                     cols.append(t)
                     vals.append(float(b))
         if rows:
-            ix = torch.tensor([rows, cols], dtype=torch.int64).to(dev, non_blocking=True)
+            width = logits.shape[-1]
+            flat = torch.tensor([r * width + c for r, c in zip(rows, cols, strict=True)])
             v = torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True)
-            logits.index_put_((ix[0], ix[1]), v, accumulate=True)
-        return result
+            plan.bias = (flat.to(dev, non_blocking=True), v)
+        return plan
 
     def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Each constrained row's allowed tokens, filled on the host (on a GPU this overlaps
