@@ -75,3 +75,40 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group):
         att = torch.softmax(torch.einsum("hd,nhd->hn", q[r], k) * scale, -1)
         want = torch.einsum("hn,nhd->hd", att, v)
         torch.testing.assert_close(out[r], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_default_variant_in_half_precision_matches_dense_attention(dtype):
+    """fp16/bf16 take the tl.dot variant by default (the GPU default for half-precision
+    models). Triton's CPU interpreter computes tl.dot on bf16 wrongly (a 16x16 bf16 tl.dot
+    alone is off by ~1e10 there, fp16 is exact), so bf16 runs on CUDA only."""
+    from loom.layers.attention.triton_ops import decode_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter mishandles tl.dot on bf16")
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, group, head_dim, slots = 2, 4, 32, 300
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    table = (torch.randperm(slots - 1, generator=gen)[:200] + 1).view(2, 100)
+    q = torch.randn(2, kv_heads * group, head_dim, generator=gen).to(dtype)
+    lens = [100, 61]
+    k_buf, v_buf, table, q = (t.to(device) for t in (k_buf, v_buf, table, q))
+    out = decode_attention(
+        q,
+        k_buf,
+        v_buf,
+        table,
+        torch.arange(2, device=device),
+        torch.tensor(lens, device=device),
+        head_dim**-0.5,
+        8,
+    )
+    assert out.dtype == dtype
+    for r, n in enumerate(lens):
+        k = k_buf[table[r, :n]].float().repeat_interleave(group, dim=1)
+        v = v_buf[table[r, :n]].float().repeat_interleave(group, dim=1)
+        att = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * head_dim**-0.5, -1)
+        want = torch.einsum("hn,nhd->hd", att, v)
+        torch.testing.assert_close(out[r].float(), want, rtol=2e-2, atol=2e-2)

@@ -22,7 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-_DECODE_DOT = os.environ.get("LOOM_TRITON_DECODE", "") == "dot"
+# Decode variant: "dot" runs each GQA group on tensor cores (tl.dot, group padded to 16 rows),
+# "plain" uses broadcast products in fp32. Default: dot for fp16/bf16, plain (exact) for fp32.
+# On the H200 (bench/attn_micro.py, Llama-3-8B heads, docs/benchmarks.md) dot took 5.6 vs 9.8 us
+# at batch 1 / 256 tokens and 82 vs 504 us at batch 64 / 1,024 tokens (FlashInfer: 10.4, 77 us).
+_DECODE_VARIANT = os.environ.get("LOOM_TRITON_DECODE", "")
 
 
 @triton.jit
@@ -180,12 +184,15 @@ def decode_attention(
     use_dot: bool | None = None,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
-    buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` (default: the
-    ``LOOM_TRITON_DECODE=dot`` switch) computes each GQA group's scores and outputs with
-    ``tl.dot`` (tensor cores, group padded to 16 rows) instead of broadcast products; it is a
-    candidate for large batches, not yet measured on a GPU."""
+    buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
+    group's scores and outputs with ``tl.dot`` (tensor cores, group padded to 16 rows; the
+    probabilities are rounded to the KV dtype for the second product, as FlashInfer does)
+    instead of fp32 broadcast products. Default: see ``_DECODE_VARIANT``."""
     if use_dot is None:
-        use_dot = _DECODE_DOT
+        if _DECODE_VARIANT in ("dot", "plain"):
+            use_dot = _DECODE_VARIANT == "dot"
+        else:
+            use_dot = q.dtype != torch.float32
     bs, num_heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group = num_heads // kv_heads
