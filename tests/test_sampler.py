@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -107,3 +109,51 @@ def test_two_stage_argmax_is_argmax_with_ties(vocab):
     logits[4, vocab - 1] = 99.0  # the last entry
     assert torch.equal(argmax_two_stage(logits, c), logits.argmax(dim=-1))
     assert argmax_two_stage(logits, c)[1] == 7 and argmax_two_stage(logits, c)[3] == 0
+
+
+# ---- the fused GPU sampling kernel (CPU: Triton's interpreter) ----------------------------------
+
+_FUSED_LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.2, -0.5, -1.0, -3.0, 0.9, 1.1, -0.1, 0.0])
+
+
+def _fused_draws(params, n, seeds=None, logits=None):
+    from loom.sampling.triton_sampling import fused_sample
+
+    logits = _FUSED_LOGITS if logits is None else logits
+    info = _info(params * n if len(params) == 1 else params, vocab=logits.shape[0])
+    rows = logits.expand(len(info.params[0]), -1).clone()
+    # 12 halvings of their range (6) resolve these logits (>= 0.1 apart): a fast interpreter run
+    return fused_sample(rows, info.params, seeds if seeds is not None else info.seeds, iters=12)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize(
+    "t,k,p,m",
+    [(0.7, 3, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.3, 5, 0.9, 0.05), (1.0, -1, 1.0, 0.3)],
+)  # fmt: skip
+def test_fused_kernel_samples_follow_the_filtered_softmax(t, k, p, m):
+    from tests.test_sampling_params import _chi2_p
+
+    n = 800
+    draws = _fused_draws([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)], n)
+    counts = torch.bincount(draws, minlength=len(_FUSED_LOGITS)).double()
+    want = _reference_filtered(_FUSED_LOGITS, t, k if k > 0 else 0, p, m)
+    expected = want / want.sum() * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
+    assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fused_kernel_greedy_rows_masks_and_seeds():
+    logits = _FUSED_LOGITS.clone()
+    logits[0] = float("-inf")  # a grammar mask: never drawn
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_p=0.95)] * 60
+    draws = _fused_draws(params, 1, logits=logits)
+    assert (draws[0::2] == logits.argmax()).all()  # greedy rows: the first maximum
+    assert (draws != 0).all()
+    assert len(set(draws[1::2].tolist())) > 3  # sampled rows vary
+    seeded = [SamplingParams(temperature=1.0, sampling_seed=7)] * 4
+    a = _fused_draws(seeded, 1, seeds=[(i, 7, 5) for i in range(4)])
+    b = _fused_draws(seeded, 1, seeds=[(i, 7, 5) for i in range(4)])
+    assert torch.equal(a, b) and len(set(a.tolist())) == 1  # same seed and position: same draw

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from loom import plugins
+from loom.sampling import triton_sampling
 from loom.sampling.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class SamplingBatchInfo:
     need_min_p: bool
     seeds: list[tuple[int, int, int]]  # (row, seed, output position)
     processors: dict[str, list[int]]  # processor name -> rows
+    params: torch.Tensor | None = None  # [5, bs]: the rows above, for the fused GPU kernel
 
     @classmethod
     def build(
@@ -78,6 +80,7 @@ class SamplingBatchInfo:
             ],
             dtype=torch.float32,
         ).to(device, non_blocking=True)
+        info.params = rows
         info.temperatures = rows[0].view(bs, 1)
         info.top_ps = rows[1]
         info.top_ks = rows[2].to(torch.int64)
@@ -182,9 +185,11 @@ def argmax_two_stage(logits: torch.Tensor, chunks: int) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]``."""
-    greedy_ids = argmax_rows(logits)
     if info.is_all_greedy:
-        return greedy_ids
+        return argmax_rows(logits)
+    if info.params is not None and triton_sampling.enabled(logits):
+        return triton_sampling.fused_sample(logits, info.params, info.seeds)
+    greedy_ids = argmax_rows(logits)
     scaled = logits / info.temperatures
     filtered = info.need_top_k or info.need_top_p or info.need_min_p
     if logits.is_cuda or not filtered or logits.shape[-1] <= CANDIDATES:
@@ -223,6 +228,7 @@ def _sub(info: SamplingBatchInfo, rows: torch.Tensor) -> SamplingBatchInfo:
         top_ks=take(info.top_ks),
         min_ps=take(info.min_ps),
         greedy=take(info.greedy),
+        params=None if info.params is None else info.params.index_select(1, rows),
     )
 
 
