@@ -197,6 +197,8 @@ class Scheduler:
         self.grammar_mgr = None
         self.penalties: PenaltyState | None = None  # allocated with the first penalised request
         self._plan_cache: _SamplingPlan | None = None
+        self._mask_bufs: list[torch.Tensor] | None = None  # pinned grammar bitmasks (CUDA)
+        self._mask_flip = 0
 
     def _build_hicache(self, policy):
         import json
@@ -983,12 +985,31 @@ class Scheduler:
         """Each constrained row's allowed tokens, filled on the host (on a GPU this overlaps
         the forward pass just launched) and applied in place with the library's kernel."""
         backend = self.grammar_mgr.backend
-        mask = backend.allocate_vocab_mask(len(reqs))
+        mask = self._host_vocab_mask(backend, len(reqs), logits.device)
         # (a request that finished while this step's forward ran keeps an unmasked row; its
         # token is discarded)
         rows = [i for i, req in enumerate(reqs) if req.grammar is not None and not req.is_finished]
         backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
         backend.apply_vocab_mask(logits, mask.to(logits.device, non_blocking=True))
+
+    def _host_vocab_mask(self, backend, bs: int, device: torch.device) -> torch.Tensor:
+        """The host bitmask for this step. On CUDA: alternate halves of two pinned buffers, so
+        the copy to the device is asynchronous and a buffer is refilled only after the step
+        that copied it was resolved (two steps later)."""
+        if device.type != "cuda":
+            return backend.allocate_vocab_mask(bs)
+        bufs = self._mask_bufs
+        if bufs is None or bufs[0].shape[0] < bs:
+            proto = backend.allocate_vocab_mask(1)
+            cap = max(bs, self.max_running)
+            bufs = self._mask_bufs = [
+                torch.empty((cap, proto.shape[1]), dtype=proto.dtype, pin_memory=True)
+                for _ in range(2)
+            ]
+        self._mask_flip ^= 1
+        mask = bufs[self._mask_flip][:bs]
+        backend.reset_vocab_mask(mask)
+        return mask
 
     def _append_token(self, req: Req, token: int, logprob=None) -> ReqOutput:
         req.output_ids.append(token)
