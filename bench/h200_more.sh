@@ -9,7 +9,16 @@
 #   structured constrained vs free decoding (needs .whl2: xgrammar, llguidance, pydantic; and
 #              .tok: the SmolLM2 tokenizer saved with save_pretrained)
 #   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape)
-#   tritondot  Loom's Triton decode with tl.dot (LOOM_TRITON_DECODE=dot) vs the default kernel
+#   tritondot  Loom's Triton decode: LOOM_TRITON_DECODE=plain vs dot (the fp16/bf16 default)
+#   wl8b [flags]  the 1000-request 8B workload alone; wltriton: the same on Triton attention
+#   attn       decode attention alone (bench/attn_micro.py): Triton variants vs FlashInfer
+#   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
+#   kprof, kprof512  per-kernel profiles (bench/gpu_kernel_profile.py)
+#   quicktests the GPU tests of the newest kernels
+#   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
+#   bf16parity GGUF  bench/bf16_parity.py on the default model's weights
+#   ficache    pack FlashInfer's JIT-compiled modules into OUTDIR/fi-jit.txz (carry it back as
+#              .whl/fi-jit.txz: later machines load them as AOT modules, no rebuild)
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
@@ -76,8 +85,35 @@ PYEOF
 wl8b)
   offline "8b-1000-random" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
   ;;
+structured8b)
+  # Llama-3-8B's body with SmolLM2's vocabulary (bench/configs/llama-3-8b-smolvocab.json): a
+  # GPU-bound step (~4.5 ms at batch 1), so the grammar's host work can hide behind it
+  for be in xgrammar llguidance; do
+    for bs in 1 16; do
+      $py -m loom.cli bench structured --model bench/configs/llama-3-8b-smolvocab.json --load-format dummy \
+        --tokenizer-path .tok --grammar-backend $be --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
+        --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+    done
+  done
+  ;;
+sampling8b)
+  for s in greedy penalties greedy penalties; do
+    offline "8b-b32-$s" --model $L8 --num-prompts 32 --input-len 128 --output-len 128 --max-running-requests 32 --sampling $s
+  done
+  ;;
+wltriton)
+  offline "8b-1000-random-triton" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --attention-backend triton
+  ;;
+kprof512)
+  $py bench/gpu_kernel_profile.py $L8 512 800 16 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
+  ;;
+bf16parity)
+  # needs the default model's GGUF carried in (98 MB: two calls, see docs/benchmarks.md)
+  $py bench/bf16_parity.py --model "${3:?GGUF path}" --device cuda --result-file "$out/results.jsonl" 2>&1 | tail -3 | tee -a "$log"
+  ;;
 quicktests)
-  $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py -k "half or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
 attn)
   $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | tail -12 | tee -a "$log"
@@ -133,7 +169,7 @@ structured)
   done
   ;;
 tritondot)
-  for v in "" dot; do
+  for v in plain dot; do
     LOOM_TRITON_DECODE=$v latency "8b-b1-triton$v" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend triton
     LOOM_TRITON_DECODE=$v latency "8b-b64-triton$v" --model $L8 --batch-size 64 --input-len 1024 --output-len 256 --attention-backend triton
   done
