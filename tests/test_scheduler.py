@@ -205,3 +205,20 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
         if tight_kv:
             assert e.scheduler.stats.num_retractions > 0
         _assert_balanced(e)
+
+
+def test_step_profile_accounts_for_every_step(engine, prompts_ids):
+    """`bench offline`'s step profile: the counters' differences over one run add up."""
+    from loom.bench.offline import step_profile
+
+    before = dict(engine.get_server_info())
+    outs = engine.generate(
+        input_ids=prompts_ids[:3],
+        sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )
+    p = step_profile(before, engine.get_server_info())
+    # every output token but each request's first (sampled by its prefill) is a decode token
+    assert p["num_decode_tokens"] == sum(len(o["output_ids"]) - 1 for o in outs)
+    assert p["num_prefill_batches"] >= 1 and p["num_decode_batches"] >= 5
+    assert p["time_prefill_s"] > 0 and p["time_decode_s"] > 0
+    assert p["mean_decode_batch"] == p["num_decode_tokens"] / p["num_decode_batches"]
