@@ -15,6 +15,7 @@
 #   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
 #   kprof, kprof512  per-kernel profiles (bench/gpu_kernel_profile.py)
 #   quicktests the GPU tests of the newest kernels
+#   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
 #   bf16parity GGUF  bench/bf16_parity.py on the default model's weights
 #   ficache    pack FlashInfer's JIT-compiled modules into OUTDIR/fi-jit.txz (carry it back as
@@ -110,6 +111,18 @@ kprof512)
 bf16parity)
   # needs the default model's GGUF carried in (98 MB: two calls, see docs/benchmarks.md)
   $py bench/bf16_parity.py --model "${3:?GGUF path}" --device cuda --result-file "$out/results.jsonl" 2>&1 | tail -3 | tee -a "$log"
+  ;;
+pyspy)
+  # where the host's time goes in the host-bound small-model runs (py-spy from .whl2)
+  spy=/tmp/site2/bin/py-spy
+  $spy record -r 500 -f raw -o "$out/spy-structured.txt" -- $py -m loom.cli bench structured \
+    --model $SM --load-format dummy --tokenizer-path .tok --batch-size 16 --num-prompts 32 \
+    --max-new-tokens 64 2>&1 | grep "Loom structured" | tee -a "$log"
+  $py bench/pyspy_top.py "$out/spy-structured.txt" 45 | tee -a "$log"
+  $spy record -r 500 -f raw -o "$out/spy-sampling.txt" -- $py -m loom.cli bench offline \
+    --model $SM --load-format dummy --skip-tokenizer-init --num-prompts 32 --input-len 128 \
+    --output-len 512 --max-running-requests 32 --sampling penalties 2>&1 | grep "^Loom" | tee -a "$log"
+  $py bench/pyspy_top.py "$out/spy-sampling.txt" 45 | tee -a "$log"
   ;;
 quicktests)
   $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
