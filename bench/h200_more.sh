@@ -10,7 +10,8 @@
 #              .tok: the SmolLM2 tokenizer saved with save_pretrained)
 #   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape)
 #   tritondot  Loom's Triton decode: LOOM_TRITON_DECODE=plain vs dot (the fp16/bf16 default)
-#   wl8b [flags]  the 1000-request 8B workload alone; wltriton: the same on Triton attention
+#   wl8b [flags]  the 1000-request 8B workload alone; wltriton: the same on Triton attention;
+#              wlfp8: the same with --kv-cache-dtype fp8_e4m3
 #   attn       decode attention alone (bench/attn_micro.py): Triton variants vs FlashInfer
 #   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
 #   kprof, kprof512  per-kernel profiles (bench/gpu_kernel_profile.py)
@@ -101,6 +102,11 @@ sampling8b)
   for s in greedy penalties greedy penalties; do
     offline "8b-b32-$s" --model $L8 --num-prompts 32 --input-len 128 --output-len 128 --max-running-requests 32 --sampling $s
   done
+  ;;
+wlfp8)
+  # the 1000-request workload with an fp8 KV cache (Triton attention: FlashInfer here reads
+  # model-dtype caches only)
+  offline "8b-1000-random-fp8kv" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
   ;;
 wltriton)
   offline "8b-1000-random-triton" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --attention-backend triton

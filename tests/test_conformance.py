@@ -27,6 +27,19 @@ def test_attention_backend_kit(name, page_size):
     check_attention_backend(name, page_size=page_size)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("name", ["torch_native", "triton"])
+def test_attention_backends_read_an_fp8_kv_cache(name, kv_dtype):
+    """--kv-cache-dtype fp8_*: the backends read the fp8 pool exactly (the reference attends to
+    the same rounded K/V)."""
+    cls = plugins.resolve("attention_backend", name)
+    if not cls.is_supported(torch.device("cpu")):
+        pytest.skip(f"{name} does not run on CPU")
+    check_attention_backend(name, page_size=4, kv_dtype=kv_dtype)
+    if name == "triton":  # half-precision models take the tl.dot decode
+        check_attention_backend(name, dtype=torch.float16, page_size=4, kv_dtype=kv_dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", _available("attention_backend"))
 def test_attention_backend_kit_cuda(name):
@@ -36,6 +49,10 @@ def test_attention_backend_kit_cuda(name):
     if cls.supports_dtype(torch.float32):
         check_attention_backend(name, device="cuda", dtype=torch.float32)
     check_attention_backend(name, device="cuda", dtype=torch.bfloat16, page_size=16, head_dim=64)
+    if name != "flashinfer":  # it reads a cache of the model's dtype only
+        check_attention_backend(
+            name, device="cuda", dtype=torch.bfloat16, head_dim=64, kv_dtype=torch.float8_e4m3fn
+        )
 
 
 @pytest.mark.parametrize("name", _available("schedule_policy"))

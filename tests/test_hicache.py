@@ -261,3 +261,23 @@ def test_store_is_shared_by_copies_of_a_model_and_not_by_other_models(tiny, prom
         assert _one_by_one(e, prompts[:1])[0]["meta_info"]["cached_tokens"] == 36
     with loom.Engine(model=other, **kw) as e:
         assert _one_by_one(e, prompts[:1])[0]["meta_info"]["cached_tokens"] == 0
+
+
+def test_fp8_kv_cache_through_host_memory_and_storage(tiny, prompts, tmp_path):
+    """--kv-cache-dtype fp8_e5m2: prefix hits from the device, host memory and storage give the
+    same greedy tokens as computing everything (fp8 pages travel as bytes)."""
+    fp8 = dict(kv_cache_dtype="fp8_e5m2")
+    with loom.Engine(model=tiny, skip_tokenizer_init=True, disable_radix_cache=True, **fp8) as e:
+        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=PARAMS)]
+        assert e.runner.kv_pool.dtype == torch.float8_e5m2
+    kw = dict(_storage_kw("file", tmp_path / "kv"), hicache_ratio=5, **fp8)
+    with loom.Engine(model=tiny, **kw) as e:
+        rounds = [_one_by_one(e, prompts) for _ in range(2)]
+        e.scheduler.check_kv_balance()
+        assert e.scheduler.tree.hstats.host_hit_tokens > 0
+    with loom.Engine(model=tiny, backend="process", **kw) as e:  # hits in storage
+        again = _one_by_one(e, prompts[:2])
+    for outs in rounds:
+        assert [o["output_ids"] for o in outs] == want
+    assert [o["output_ids"] for o in again] == want[:2]
+    assert [o["meta_info"]["cached_tokens"] for o in again] == [36, 36]

@@ -59,6 +59,16 @@ class ServerArgs:
             choices=("auto", "float32", "bfloat16", "float16"),
         ),
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_arg(
+            "KV cache dtype (auto: the model's). fp8_e4m3 / fp8_e5m2 halve the cache's memory "
+            "and the bytes decode attention reads, at some accuracy (values are clamped to the "
+            "format's range; no scales); the torch_native, flash_attention and triton backends "
+            "read them.",
+            choices=("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"),
+        ),
+    )
     device: str = field(
         default="auto",
         metadata=_arg(

@@ -316,3 +316,28 @@ def test_large_batches_replay_graphs_exactly(tmp_path, backend):
             ]
             e.scheduler.check_kv_balance()
     assert runs[True] == runs[False]
+
+
+def test_fp8_kv_cache_on_cuda_falls_back_to_triton(tiny_dir):
+    """--kv-cache-dtype fp8_e4m3 with `auto`: FlashInfer (model-dtype caches only) steps aside,
+    Triton serves with CUDA graphs, and graphs replay the eager tokens exactly."""
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80)]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    kw = dict(
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="bfloat16",
+        kv_cache_dtype="fp8_e4m3",
+        skip_tokenizer_init=True,
+        max_total_tokens=8192,
+    )
+    runs = {}
+    for graphs in (False, True):
+        with loom.Engine(disable_cuda_graph=not graphs, **kw) as e:
+            assert e.get_server_info()["attention_backend"] in ("triton", "flash_attention")
+            assert e.runner.kv_pool.dtype == torch.float8_e4m3fn
+            runs[graphs] = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+            e.scheduler.check_kv_balance()
+    assert runs[True] == runs[False]

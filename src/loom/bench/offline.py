@@ -227,6 +227,7 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             "dtype": info["dtype"],
             "max_running_requests": info["max_running_requests"],
             "attention_backend": info["attention_backend"],
+            "kv_cache_dtype": info.get("kv_cache_dtype", "auto"),
             "cuda_graphs": info.get("cuda_graphs"),
             "overlap": not server_kwargs.get("disable_overlap_schedule", False),
             "gemv": os.environ.get("LOOM_GEMV", "auto"),

@@ -52,11 +52,11 @@ class KVTransfer:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def _gather(self, idx: torch.Tensor) -> torch.Tensor:
-        pool = self.pool
+        ks, vs = self.pool.copy_buffers()
         return torch.stack(
             [
                 torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
-                for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)
+                for k, v in zip(ks, vs, strict=True)
             ]
         )
 
@@ -78,10 +78,10 @@ class KVTransfer:
 
     def to_device(self, host: torch.Tensor, slots: list[int], pending: Any = None) -> None:
         """Write ``host`` into device ``slots``; later device work waits for it."""
-        pool = self.pool
+        ks, vs = self.pool.copy_buffers()
         if not self.cuda:
             idx = torch.tensor(slots, dtype=torch.int64)
-            for layer, (k, v) in enumerate(zip(pool.k_buffers, pool.v_buffers, strict=True)):
+            for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
                 k.index_copy_(0, idx, host[layer, 0].to(k.dtype))
                 v.index_copy_(0, idx, host[layer, 1].to(v.dtype))
             return
@@ -90,7 +90,7 @@ class KVTransfer:
                 self.stream.wait_event(pending)  # the host copy itself may still be arriving
             idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             dev = host.to(self.device, non_blocking=True)
-            for layer, (k, v) in enumerate(zip(pool.k_buffers, pool.v_buffers, strict=True)):
+            for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
                 k.index_copy_(0, idx, dev[layer, 0])
                 v.index_copy_(0, idx, dev[layer, 1])
             done = torch.cuda.Event()
@@ -374,7 +374,7 @@ class HiRadixCache(RadixCache):
         shape = (len(pool.k_buffers), 2, ps, pool.num_kv_heads, pool.head_dim)
         good = []
         for p in pages:
-            if p is None or tuple(p.shape) != shape or p.dtype != pool.dtype:
+            if p is None or tuple(p.shape) != shape or p.dtype != pool.copy_dtype:
                 break
             good.append(p)
         if not good:

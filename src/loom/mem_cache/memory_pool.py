@@ -63,8 +63,16 @@ class PageAllocator:
         self._free.extend(pages)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class KVPool:
-    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``."""
+    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``.
+
+    The buffers may be in a narrower dtype than the model (``--kv-cache-dtype``): K and V are
+    cast when stored (fp8: clamped to the format's range first) and backends upcast what they
+    read. fp8 buffers are copied through ``uint8`` views (``copy_buffers``), since PyTorch has
+    no fp8 ``index_copy_`` on CPU."""
 
     def __init__(
         self,
@@ -87,7 +95,25 @@ class KVPool:
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buf in self.k_buffers + self.v_buffers:
-            buf[:page_size].zero_()
+            buf[:page_size].view(torch.uint8).zero_()
+        self.is_fp8 = dtype in FP8_DTYPES
+        self.copy_dtype = torch.uint8 if self.is_fp8 else dtype
+        self._max = float(torch.finfo(dtype).max) if self.is_fp8 else None
+
+    def copy_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V buffers as views that every copy op supports (``uint8`` for fp8)."""
+        if not self.is_fp8:
+            return self.k_buffers, self.v_buffers
+        return (
+            [b.view(torch.uint8) for b in self.k_buffers],
+            [b.view(torch.uint8) for b in self.v_buffers],
+        )
+
+    def _stored(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        x = x.reshape(n, -1)
+        if not self.is_fp8:
+            return x.to(self.dtype)
+        return x.clamp(-self._max, self._max).to(self.dtype).view(torch.uint8)
 
     @staticmethod
     def bytes_per_token(
@@ -101,16 +127,19 @@ class KVPool:
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # index_copy_ on a 2-D view is several times faster than advanced-index assignment on CPU.
         n = loc.shape[0]
-        self.k_buffers[layer_id].view(self.num_slots, -1).index_copy_(
-            0, loc, k.reshape(n, -1).to(self.dtype)
-        )
-        self.v_buffers[layer_id].view(self.num_slots, -1).index_copy_(
-            0, loc, v.reshape(n, -1).to(self.dtype)
-        )
+        kd, vd = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self.is_fp8:
+            kd, vd = kd.view(torch.uint8), vd.view(torch.uint8)
+        kd.view(self.num_slots, -1).index_copy_(0, loc, self._stored(k, n))
+        vd.view(self.num_slots, -1).index_copy_(0, loc, self._stored(v, n))
 
     def gather(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``buf[slots]`` for any shape of ``slots``, as ``[*slots.shape, heads, head_dim]``.
 
         A flat ``index_select`` is ~10x faster than advanced indexing on CPU (measured)."""
-        flat = buf.view(self.num_slots, -1).index_select(0, slots.reshape(-1))
+        if self.is_fp8:
+            flat = buf.view(torch.uint8).view(self.num_slots, -1).index_select(0, slots.reshape(-1))
+            flat = flat.view(self.dtype)
+        else:
+            flat = buf.view(self.num_slots, -1).index_select(0, slots.reshape(-1))
         return flat.view(*slots.shape, self.num_kv_heads, self.head_dim)

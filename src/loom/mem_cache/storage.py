@@ -30,7 +30,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+# uint8: fp8 KV caches travel as raw bytes (KVPool.copy_buffers)
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
 
 
 def page_hashes(

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # --attention-backend auto: the first registered, supported backend in this order wins. On the
 # H200 (docs/benchmarks.md) FlashInfer 0.7.4 served the 1000-request Llama-3-8B workload at
 # 8,081 output tok/s against 2,796 for Loom's Triton kernels, which win only at batch 1
@@ -115,7 +116,9 @@ class ModelRunner:
         tp = get_tp_size()
         attn_heads = max(1, num_kv_heads // tp)  # KV heads are replicated when fewer than ranks
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, attn_heads, head_dim
-        per_token = KVPool.bytes_per_token(num_layers, attn_heads, head_dim, self.dtype)
+        kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
+        self.kv_dtype = kv_dtype
+        per_token = KVPool.bytes_per_token(num_layers, attn_heads, head_dim, kv_dtype)
         if args.max_total_tokens is not None:
             max_tokens = args.max_total_tokens
         elif self.device.type == "cuda":
@@ -140,7 +143,7 @@ class ModelRunner:
             1, min(cap, self.max_total_tokens // 2)
         )
         self.kv_pool = KVPool(
-            num_pages, args.page_size, num_layers, attn_heads, head_dim, self.dtype, self.device
+            num_pages, args.page_size, num_layers, attn_heads, head_dim, kv_dtype, self.device
         )
         self.allocator = PageAllocator(num_pages, args.page_size)
         # +1 spare row so a request can be set up while max_running are active (retraction).

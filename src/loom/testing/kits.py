@@ -42,9 +42,11 @@ def check_attention_backend(
     seed: int = 0,
     atol: float | None = None,
     head_dim: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     """Extend (with and without cached prefixes) and decode over a paged pool with scattered,
-    non-contiguous pages, against dense attention computed in plain PyTorch."""
+    non-contiguous pages, against dense attention computed in plain PyTorch. ``kv_dtype``: a
+    KV cache narrower than ``dtype`` (fp8); the reference then reads K/V rounded the same way."""
     from loom.layers.attention.base import AttentionContext
     from loom.layers.attention.layer import Attention
     from loom.mem_cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
@@ -54,7 +56,12 @@ def check_attention_backend(
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     heads, kv_heads, num_pages = 4, 2, 256
-    pool = KVPool(num_pages, page_size, 1, kv_heads, head_dim, dtype, device)
+    pool = KVPool(num_pages, page_size, 1, kv_heads, head_dim, kv_dtype or dtype, device)
+
+    def stored(x: torch.Tensor) -> torch.Tensor:  # K/V as the pool keeps them, in ``dtype``
+        x = x.to(dtype)
+        return x if kv_dtype is None else x.to(kv_dtype).to(dtype)
+
     table = ReqToTokenPool(8, 512, device)
     alloc = PageAllocator(num_pages, page_size)
     rng.shuffle(alloc._free)  # scattered pages catch backends that assume contiguity
@@ -124,8 +131,8 @@ def check_attention_backend(
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
         ref = _reference_attention(
             q[start : start + e].view(e, heads, head_dim),
-            full_k[i][: p + e].to(dtype),
-            full_v[i][: p + e].to(dtype),
+            stored(full_k[i][: p + e]),
+            stored(full_v[i][: p + e]),
             p,
             head_dim**-0.5,
         )
@@ -141,8 +148,8 @@ def check_attention_backend(
     for i, s in enumerate(seq_lens):
         ref = _reference_attention(
             qd[i].view(1, heads, head_dim),
-            full_k[i][: s + 1].to(dtype),
-            full_v[i][: s + 1].to(dtype),
+            stored(full_k[i][: s + 1]),
+            stored(full_v[i][: s + 1]),
             s,
             head_dim**-0.5,
         )

@@ -36,8 +36,8 @@ class FlashAttentionBackend(TritonAttnBackend):
             seq = prefix + ext
             idx = table[row, :seq]
             qi = q[start : start + ext].view(ext, layer.num_heads, layer.head_dim).transpose(0, 1)
-            ki = pool.gather(k_buf, idx).transpose(0, 1)
-            vi = pool.gather(v_buf, idx).transpose(0, 1)
+            ki = pool.gather(k_buf, idx).to(q.dtype).transpose(0, 1)
+            vi = pool.gather(v_buf, idx).to(q.dtype).transpose(0, 1)
             mask = None
             if prefix:
                 q_pos = torch.arange(ext, device=q.device).unsqueeze(1) + prefix

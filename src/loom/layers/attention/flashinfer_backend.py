@@ -61,6 +61,12 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"the flashinfer attention backend supports head_dim {_HEAD_DIMS}, "
                 f"not {ctx.head_dim}"
             )
+        if ctx.kv_pool is not None and ctx.kv_pool.dtype != ctx.dtype:
+            raise ValueError(
+                f"the flashinfer attention backend here reads a KV cache of the model's dtype "
+                f"only, not {ctx.kv_pool.dtype} (--kv-cache-dtype): use --attention-backend "
+                "triton"
+            )
         if not self.supports_dtype(ctx.dtype):
             raise ValueError(
                 f"the flashinfer attention backend has no {ctx.dtype} kernels; "

@@ -71,8 +71,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             qi = q[item.q_start : item.q_start + item.q_len].view(
                 item.q_len, layer.num_heads, layer.head_dim
             )
-            ki = batch.kv_pool.gather(k_buf, item.kv_indices)
-            vi = batch.kv_pool.gather(v_buf, item.kv_indices)
+            ki = batch.kv_pool.gather(k_buf, item.kv_indices).to(q.dtype)
+            vi = batch.kv_pool.gather(v_buf, item.kv_indices).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qi.transpose(0, 1).unsqueeze(0),
                 ki.transpose(0, 1).unsqueeze(0),

@@ -112,7 +112,7 @@ def _decode_stage1(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION).to(tl.float32)
         else:
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
@@ -330,9 +330,9 @@ def _extend_kernel(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
-            tl.float32
-        )
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION
+        ).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
