@@ -24,6 +24,9 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+# Next session's plan (carry .whl .whl2 .tok; .whl/fi-jit.txz spares FlashInfer's JIT builds):
+#   call 1: quicktests, b1lite, tritondot, sampling, structured, pyspy
+#   call 2: wl8b, wltriton, wlfp8, kprof512, structured8b, sampling8b
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
 section=${2:?usage: bench/h200_more.sh OUTDIR SECTION}
