@@ -134,8 +134,8 @@ pyspy)
   $py bench/pyspy_top.py "$out/spy-sampling.txt" 45 | tee -a "$log"
   ;;
 quicktests)
-  $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
-  $py -m pytest -q tests/test_triton_backend.py -k "half or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py tests/test_conformance.py -k "half or variants or cuda" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
 attn)
   $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | tail -12 | tee -a "$log"
