@@ -50,11 +50,21 @@ class PenaltyState:
     def release(self, row: int) -> None:
         self.free.append(row)
 
-    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count one sampled token per row (device tensors)."""
+    def add(
+        self,
+        rows: torch.Tensor,
+        tokens: torch.Tensor,
+        row_base: torch.Tensor | None = None,
+        ones: torch.Tensor | None = None,
+    ) -> None:
+        """Count one sampled token per row (device tensors). ``row_base`` (``rows * vocab``)
+        and ``ones`` may be passed in precomputed (a batch reuses them step after step)."""
         # index_add_ on the flat view: atomic adds (index_put_ with accumulate sorts first)
-        flat = rows * self.counts.shape[1] + tokens
-        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if row_base is None:
+            row_base = rows * self.counts.shape[1]
+        if ones is None:
+            ones = torch.ones_like(tokens, dtype=torch.int32)
+        self.counts.view(-1).index_add_(0, row_base + tokens, ones)
 
 
 if importlib.util.find_spec("triton") is not None:

@@ -129,7 +129,7 @@ class _SamplingPlan:
     seeded: list[int]  # rows with a sampling_seed
     want_logprobs: bool
     has_grammar: bool
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, state, coef
+    penalties: tuple | None = None  # see _build_sampling_plan
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
 
 
@@ -894,7 +894,7 @@ class Scheduler:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
         if plan.penalties is not None:
-            batch_rows, state_rows, coef = plan.penalties
+            batch_rows, state_rows, coef, row_base, ones, all_rows = plan.penalties
             apply_penalties(logits, batch_rows, state_rows, self.penalties, *coef.unbind(0))
         if plan.bias is not None:
             flat, v = plan.bias
@@ -903,7 +903,8 @@ class Scheduler:
             self._apply_grammar_masks(logits, reqs)
         tokens = sample(logits, info)
         if plan.penalties is not None:
-            self.penalties.add(state_rows, tokens.index_select(0, batch_rows))
+            picked = tokens if all_rows else tokens.index_select(0, batch_rows)
+            self.penalties.add(state_rows, picked, row_base, ones)
         out = _Sampled(tokens)
         if want_lp:
             lsm = torch.log_softmax(raw.float(), dim=-1)
@@ -961,7 +962,15 @@ class Scheduler:
             idx = torch.tensor([pen, [reqs[i].penalty_row for i in pen]], dtype=torch.int64).to(
                 dev, non_blocking=True
             )
-            plan.penalties = (idx[0], idx[1], coef)
+            # (batch rows, state rows, coefficients, state rows x vocab, ones, every row?)
+            plan.penalties = (
+                idx[0],
+                idx[1],
+                coef,
+                idx[1] * logits.shape[-1],
+                torch.ones(len(pen), dtype=torch.int32, device=dev),
+                len(pen) == len(params),
+            )
         rows, cols, vals = [], [], []
         for i, (p, n) in enumerate(zip(params, out_lens, strict=True)):
             if n < p.min_new_tokens:
