@@ -93,3 +93,26 @@ def test_silu_and_mul(dtype):
     got = fused_ops.silu_and_mul(x)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert isinstance(SiluAndMul()(x), torch.Tensor)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rotary_store_into_an_fp8_cache(kv_dtype):
+    """Into an fp8 cache the fused store writes k and v at the token's slot, clamped to the
+    format's range. At position 0 (no rotation) with k and v already on the fp8 grid the result
+    is exact. (Rounding fp32 to fp8 is the hardware's: Triton's CPU interpreter drops the carry
+    when the mantissa rounds up, e.g. -1.968 becomes -1.0 instead of -2.0.)"""
+    torch.manual_seed(0)
+    head_dim, hq, hk, t, slots = 32, 4, 2, 5, 16
+    rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0).to(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim).to(kv_dtype).float().to(DEVICE)
+    qkv[0, (hq + hk) * head_dim] = 1e6  # beyond either format's range: clamped, not inf/nan
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    cos, sin = rope.cos_sin(torch.zeros(t, dtype=torch.long, device=DEVICE), torch.float32)
+    top = torch.finfo(kv_dtype).max
+    k_cache = torch.zeros(slots, hk, head_dim, device=DEVICE, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.tensor([3, 9, 0, 15, 7], device=DEVICE)
+    fused_ops.rotary_inplace(q, k, cos, sin, head_dim, v, k_cache, v_cache, loc)
+    assert torch.equal(k_cache[loc].float(), k.reshape(t, hk, head_dim))
+    assert torch.equal(v_cache[loc].float(), v.reshape(t, hk, head_dim).clamp(-top, top))
+    assert v_cache[3, 0, 0].float() == top

@@ -348,3 +348,26 @@ def test_fp8_kv_cache_on_cuda_falls_back_to_triton(tiny_dir):
             ]
             e.scheduler.check_kv_balance()
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cuda_rotary_store_rounds_to_fp8(kv_dtype):
+    """On the GPU the fused store rounds the rotated k to fp8 as torch does (within one fp8
+    step: fp32 rotation order may differ by an ulp before rounding)."""
+    from loom.layers import fused_ops
+    from loom.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    d, hq, hk, t, slots = 128, 32, 8, 9, 64
+    rope = RotaryEmbedding(d, d, 4096, 500000.0).cuda()
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (t,), device="cuda"), torch.bfloat16)
+    want = rope._rotate(k.float(), cos.float(), sin.float()).view(t, hk, d).to(kv_dtype).float()
+    loc = torch.randperm(slots, device="cuda")[:t]
+    kc = torch.zeros(slots, hk, d, device="cuda", dtype=kv_dtype)
+    vc = torch.zeros_like(kc)
+    fused_ops.rotary_inplace(q, k, cos, sin, d, v, kc, vc, loc)
+    step = 0.125 if kv_dtype == torch.float8_e4m3fn else 0.25
+    torch.testing.assert_close(kc[loc].float(), want, rtol=step, atol=1e-2)
+    assert torch.equal(vc[loc].float(), v.float().view(t, hk, d).to(kv_dtype).float())

@@ -73,6 +73,7 @@ if HAS_TRITON:
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         STORE: tl.constexpr,
+        CLAMP: tl.constexpr,
     ):
         # One program per (token, head): q heads are rotated in place; k heads are rotated in
         # place, or (STORE) written rotated into the KV cache at the token's slot together
@@ -84,25 +85,37 @@ if HAS_TRITON:
         cos = tl.load(Cos + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(Sin + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
         if h < num_q_heads:
-            src = Q + t * stride_q + h * HEAD_DIM
-            dst = src
+            base = Q + t * stride_q + h * HEAD_DIM
+            x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(base + offs, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mask)
+            tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mask)
         else:
             kh = h - num_q_heads
-            src = K + t * stride_k + kh * HEAD_DIM
-            dst = src
+            base = K + t * stride_k + kh * HEAD_DIM
+            x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
             if STORE:
                 slot = tl.load(Loc + t)
-                dst = KCache + slot * stride_kc + kh * HEAD_DIM
                 vsrc = V + t * stride_v + kh * HEAD_DIM
+                v1 = tl.load(vsrc + offs, mask=mask, other=0.0).to(tl.float32)
+                v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+                if CLAMP > 0:  # an fp8 cache: clamp to the format's range, as KVPool.set_kv
+                    o1 = tl.minimum(tl.maximum(o1, -CLAMP), CLAMP)
+                    o2 = tl.minimum(tl.maximum(o2, -CLAMP), CLAMP)
+                    v1 = tl.minimum(tl.maximum(v1, -CLAMP), CLAMP)
+                    v2 = tl.minimum(tl.maximum(v2, -CLAMP), CLAMP)
+                kdst = KCache + slot * stride_kc + kh * HEAD_DIM
                 vdst = VCache + slot * stride_vc + kh * HEAD_DIM
-                v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
-                v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
+                tl.store(kdst + offs, o1.to(KCache.dtype.element_ty), mask=mask)
+                tl.store(kdst + HALF + offs, o2.to(KCache.dtype.element_ty), mask=mask)
                 tl.store(vdst + offs, v1.to(VCache.dtype.element_ty), mask=mask)
                 tl.store(vdst + HALF + offs, v2.to(VCache.dtype.element_ty), mask=mask)
-        x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + offs, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF + offs, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+            else:
+                tl.store(base + offs, o1.to(K.dtype.element_ty), mask=mask)
+                tl.store(base + HALF + offs, o2.to(K.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(X, Out, stride_x, stride_o, D, BLOCK: tl.constexpr):
@@ -145,6 +158,9 @@ def add_rmsnorm(
     return out.view(x.shape), res_out.view(x.shape)
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def rotary_inplace(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,7 +177,8 @@ def rotary_inplace(
 
     With ``k_cache``/``v_cache`` (``[slots, Hk, D]``) and ``loc`` (``[T]`` slots), the rotated
     k and the unchanged ``v`` are written into the caches instead (``k`` is left as it was):
-    the KV store of the attention layer, fused into this kernel."""
+    the KV store of the attention layer, fused into this kernel. An fp8 cache gets values
+    clamped to its range (``KVPool.set_kv``'s rule)."""
     half = head_dim // 2
     cos = cos.reshape(cos.shape[0], -1)
     sin = sin.reshape(sin.shape[0], -1)
@@ -193,6 +210,7 @@ def rotary_inplace(
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         STORE=store,
+        CLAMP=float(torch.finfo(k_cache.dtype).max) if store and k_cache.dtype in _FP8 else 0.0,
     )
 
 

@@ -88,8 +88,13 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def can_store(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether :meth:`forward_store` can run (the fused kernel, a cache of q's dtype)."""
-        return use_fused(q) and self.rotary_dim == self.head_dim and k_cache.dtype == q.dtype
+        """Whether :meth:`forward_store` can run (the fused kernel; a cache of q's dtype or
+        fp8)."""
+        return (
+            use_fused(q)
+            and self.rotary_dim == self.head_dim
+            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn, torch.float8_e5m2)
+        )
 
     def forward_store(self, q, k, v, cos_sin, k_cache, v_cache, loc) -> None:
         """Rotate ``q`` in place and write rotated ``k`` and ``v`` into the KV cache at
