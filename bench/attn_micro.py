@@ -78,40 +78,58 @@ def flashinfer_time(bs, ctx):
     return do_bench_cudagraph(fn, rep=50)
 
 
+SHAPES = [(1, 256), (1, 1024), (8, 1024), (64, 1024), (256, 1024), (512, 850)]
+
+
 def main() -> None:
+    """Each shape runs in a process of its own: a CUDA fault is sticky, and one kernel's fault
+    must not fail the rows after it (as it did on the H200 once)."""
+    import subprocess
+
+    if len(sys.argv) > 2 and sys.argv[1] == "--row":
+        return run_row(
+            int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None
+        )
     results = sys.argv[1] if len(sys.argv) > 1 else None
+    for bs, ctx in SHAPES:
+        cmd = [sys.executable, __file__, "--row", str(bs), str(ctx)] + (
+            [results] if results else []
+        )
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        out = done.stdout.strip() or f"bs {bs:4d} ctx {ctx:5d}: failed"
+        print(out if done.returncode == 0 else f"{out}\n  {done.stderr.strip()[-300:]}", flush=True)
+
+
+def run_row(bs: int, ctx: int, results: str | None) -> None:
+    """One shape: every Triton variant, then FlashInfer (last: a fault there is sticky)."""
     try:
         import flashinfer  # noqa: F401
 
         have_fi = True
     except Exception:  # noqa: BLE001
         have_fi = False
-    for bs, ctx in [(1, 256), (1, 1024), (8, 1024), (64, 1024), (256, 1024), (512, 850)]:
-        kv_bytes = bs * ctx * HK * D * 2 * 2
-        row = {"bs": bs, "ctx": ctx}
-        variants = [("triton-8", 8, False), ("triton-16", 16, False), ("triton-32", 32, False)]
-        variants += [("triton-dot-8", 8, True), ("triton-dot-16", 16, True)]
-        for name, splits, dot in variants:
-            try:
-                row[name] = triton_time(bs, ctx, splits, dot) * 1000
-            except Exception as e:  # noqa: BLE001
-                row[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
-        if have_fi:
-            try:
-                row["flashinfer"] = flashinfer_time(bs, ctx) * 1000
-            except Exception as e:  # noqa: BLE001
-                row["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:80]}"
-        cells = "  ".join(
-            f"{k} {v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)"
-            if isinstance(v, float)
-            else f"{k} {v}"
-            for k, v in row.items()
-            if k not in ("bs", "ctx")
-        )
-        print(f"bs {bs:4d} ctx {ctx:5d}: {cells}", flush=True)
-        if results:
-            with open(results, "a") as f:
-                f.write(json.dumps({"bench": "attn_micro", **row}) + "\n")
+    kv_bytes = bs * ctx * HK * D * 2 * 2
+    times: dict = {}
+    variants = [("triton-8", 8, False), ("triton-16", 16, False), ("triton-32", 32, False)]
+    variants += [("triton-dot-8", 8, True), ("triton-dot-16", 16, True)]
+    for name, splits, dot in variants:
+        try:
+            times[name] = triton_time(bs, ctx, splits, dot) * 1000
+        except Exception as e:  # noqa: BLE001
+            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    if have_fi:
+        try:
+            times["flashinfer"] = flashinfer_time(bs, ctx) * 1000
+        except Exception as e:  # noqa: BLE001
+            times["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    cells = "  ".join(
+        f"{k} {v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else f"{k} {v}"
+        for k, v in times.items()
+    )
+    print(f"bs {bs:4d} ctx {ctx:5d}: {cells}", flush=True)
+    if results:
+        with open(results, "a") as f:
+            f.write(json.dumps({"bench": "attn_micro", "bs": bs, "ctx": ctx, **times}) + "\n")
 
 
 if __name__ == "__main__":
