@@ -16,6 +16,19 @@ from tests.test_llama_parity import _loom_logits
 
 pytestmark = pytest.mark.gpu
 
+
+def _cuda_kw(model_dir, dtype: str, **extra) -> dict:
+    """Engine arguments for a small model on the GPU (no tokenizer, an 8k-token pool)."""
+    kw = dict(
+        model=str(model_dir),
+        device="cuda",
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        max_total_tokens=8192,
+    )
+    return {**kw, **extra}
+
+
 TINY = dict(
     vocab_size=512,
     hidden_size=128,
@@ -105,14 +118,7 @@ def test_cuda_bf16_dummy_engine_sizes_kv_from_memory(tmp_path):
 def test_cuda_backends_and_graphs_match_torch_native(tiny_dir, backend):
     prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
-    kw = dict(
-        model=str(tiny_dir),
-        device="cuda",
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_total_tokens=8192,
-        page_size=16,
-    )
+    kw = _cuda_kw(tiny_dir, "float32", page_size=16)
     with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     with loom.Engine(attention_backend=backend, cuda_graph_max_bs=8, **kw) as e:
@@ -134,14 +140,7 @@ def test_flashinfer_bf16_graphs_match_torch_native(tmp_path):
     model_dir = save_tiny_llama(tmp_path / "tiny64", **shape)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
-    kw = dict(
-        model=str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_total_tokens=8192,
-        page_size=16,
-    )
+    kw = _cuda_kw(model_dir, "bfloat16", page_size=16)
     with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     runs = {}
@@ -299,14 +298,8 @@ def test_large_batches_replay_graphs_exactly(tmp_path, backend):
         for n in torch.randint(5, 120, (300,), generator=gen)
     ]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    kw = dict(
-        model=str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_total_tokens=65536,
-        page_size=16,
-        attention_backend=backend,
+    kw = _cuda_kw(
+        model_dir, "bfloat16", max_total_tokens=65536, page_size=16, attention_backend=backend
     )
     runs = {}
     for graphs in (False, True):
@@ -330,14 +323,7 @@ def test_fp8_kv_cache_on_cuda_falls_back_to_triton(tiny_dir):
     Triton serves with CUDA graphs, and graphs replay the eager tokens exactly."""
     prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80)]
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    kw = dict(
-        model=str(tiny_dir),
-        device="cuda",
-        dtype="bfloat16",
-        kv_cache_dtype="fp8_e4m3",
-        skip_tokenizer_init=True,
-        max_total_tokens=8192,
-    )
+    kw = _cuda_kw(tiny_dir, "bfloat16", kv_cache_dtype="fp8_e4m3")
     runs = {}
     for graphs in (False, True):
         with loom.Engine(disable_cuda_graph=not graphs, **kw) as e:
