@@ -25,7 +25,7 @@
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
 # Next session's plan (carry .whl .whl2 .tok; .whl/fi-jit.txz spares FlashInfer's JIT builds):
-#   call 1: quicktests, b1lite, tritondot, sampling, structured, pyspy
+#   call 1: quicktests, b1lite, tritondot, sampling, structured, structuredproc, pyspy
 #   call 2: wl8b, wltriton, wlfp8, kprof512, structured8b, sampling8b
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
@@ -89,6 +89,15 @@ PYEOF
   ;;
 wl8b)
   offline "8b-1000-random" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
+  ;;
+structuredproc)
+  # the scheduler in its own process (as `loom serve` runs it): no interpreter lock shared with
+  # the benchmark's detokenising
+  for bs in 1 16; do
+    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+      --engine-backend process --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
+      --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+  done
   ;;
 structured8b)
   # Llama-3-8B's body with SmolLM2's vocabulary (bench/configs/llama-3-8b-smolvocab.json): a
