@@ -283,29 +283,16 @@ class HiRadixCache(RadixCache):
 
     # ---- lookups --------------------------------------------------------------------------
 
-    def match_prefix(self, key, extra_key=None):
-        """The device-resident part of the match (see ``match_and_load`` for the rest)."""
-        now = self._tick()
-        key_t = tuple(key[: self._aligned(len(key))])
-        node, slots = self.root, []
-        while key_t:
-            child = node.children.get(self._child_key(key_t, extra_key, node))
-            if child is None or not self._on_device(child):
-                break
-            n = self._common(child.key, key_t)
-            if n < len(child.key):
-                if n == 0:
-                    break
-                child = self._split(child, n, now)
-            self._touch(child, now, hit=True)
-            if (
-                self.write_policy == "write_through_selective"
-                and child.hit_count >= WRITE_THROUGH_THRESHOLD
-            ):
-                self._backup(child)
-            slots += child.value
-            node, key_t = child, key_t[n:]
-        return slots, node
+    # ``match_prefix`` (inherited) matches the device-resident part; ``match_and_load`` the rest.
+    def _matchable(self, node: TreeNode) -> bool:
+        return self._on_device(node)
+
+    def _on_matched(self, node: TreeNode) -> None:
+        if (
+            self.write_policy == "write_through_selective"
+            and node.hit_count >= WRITE_THROUGH_THRESHOLD
+        ):
+            self._backup(node)
 
     def match_and_load(self, key: list[int], extra_key: Hashable = None):
         """Match on the device, then load the continuation back from host memory and from the

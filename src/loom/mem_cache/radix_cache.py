@@ -142,7 +142,7 @@ class RadixCache:
         node, slots = self.root, []
         while key_t:
             child = node.children.get(self._child_key(key_t, extra_key, node))
-            if child is None:
+            if child is None or not self._matchable(child):
                 break
             n = self._common(child.key, key_t)
             if n < len(child.key):
@@ -150,9 +150,17 @@ class RadixCache:
                     break
                 child = self._split(child, n, now)
             self._touch(child, now, hit=True)
+            self._on_matched(child)
             slots += child.value
             node, key_t = child, key_t[n:]
         return slots, node
+
+    def _matchable(self, node: TreeNode) -> bool:
+        """Whether ``match_prefix`` may use ``node`` (tiers override: device-resident only)."""
+        return True
+
+    def _on_matched(self, node: TreeNode) -> None:
+        """Called on each node ``match_prefix`` uses, after its hit is counted."""
 
     def peek_prefix(self, key: list[int], extra_key: Hashable = None) -> tuple[int, TreeNode]:
         """Read-only ``match_prefix``: the cached page-aligned prefix length of ``key`` and the
