@@ -4,12 +4,12 @@ prefill time, decode time per step and output tokens/s."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from typing import Any
 
+from loom.bench import append_result
 from loom.bench.offline import make_requests
 
 
@@ -66,25 +66,21 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             f"ms/step = {best['decode_tokens_per_s']:.1f} tokens/s, end to end "
             f"{best['output_tokens_per_s']:.1f} output tokens/s"
         )
-        if ns.result_file:
-            with open(ns.result_file, "a") as f:
-                f.write(
-                    json.dumps(
-                        {
-                            "bench": "latency",
-                            "batch_size": ns.batch_size,
-                            "input_len": ns.input_len,
-                            "output_len": ns.output_len,
-                            "device": info["device"],
-                            "dtype": info["dtype"],
-                            "attention_backend": info["attention_backend"],
-                            "model": info["model"],
-                            "cuda_graphs": info.get("cuda_graphs"),
-                            "gemv": os.environ.get("LOOM_GEMV", "auto"),
-                            "triton_decode": os.environ.get("LOOM_TRITON_DECODE") or "default",
-                            **best,
-                        }
-                    )
-                    + "\n"
-                )
+        append_result(
+            ns.result_file,
+            {
+                "bench": "latency",
+                "batch_size": ns.batch_size,
+                "input_len": ns.input_len,
+                "output_len": ns.output_len,
+                "device": info["device"],
+                "dtype": info["dtype"],
+                "attention_backend": info["attention_backend"],
+                "model": info["model"],
+                "cuda_graphs": info.get("cuda_graphs"),
+                "gemv": os.environ.get("LOOM_GEMV", "auto"),
+                "triton_decode": os.environ.get("LOOM_TRITON_DECODE") or "default",
+                **best,
+            },
+        )
     return 0

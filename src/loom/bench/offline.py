@@ -4,13 +4,14 @@ optionally the same requests through HF transformers ``generate()`` in the same 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
 from typing import Any
 
 import torch
+
+from loom.bench import append_result
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -255,7 +256,5 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             result["hf"]["num_prompts"] = len(hf_reqs)
             result["ratio"] = ratio
             result["identical_outputs"] = same
-        if ns.result_file:
-            with open(ns.result_file, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        append_result(ns.result_file, result)
     return 0

@@ -16,11 +16,12 @@ it once per configuration (e.g. with and without ``--disable-radix-cache``) in o
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from typing import Any
+
+from loom.bench import append_result
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
@@ -121,7 +122,5 @@ def run_prefix(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
         f"(p50 {result['ttft_p50_ms']:.1f}, p99 {result['ttft_p99_ms']:.1f}), hit rate "
         f"{result['hit_rate']:.2f}, {result['elapsed_s']:.2f} s{extra}"
     )
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(ns.result_file, result)
     return 0

@@ -11,6 +11,7 @@ import statistics
 import time
 from typing import Any
 
+from loom.bench import append_result
 from loom.bench.offline import make_requests
 
 
@@ -146,7 +147,5 @@ def run_serving(ns: argparse.Namespace) -> int:
         )
     for e in errors[:3]:
         print("error:", e)
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.write(json.dumps(summary) + "\n")
+    append_result(ns.result_file, summary)
     return 0 if not errors else 1

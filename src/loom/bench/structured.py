@@ -16,6 +16,8 @@ import statistics
 import time
 from typing import Any
 
+from loom.bench import append_result
+
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
@@ -116,7 +118,5 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         f"{result['unconstrained_tok_s']:.1f} tok/s ({100 * result['overhead']:+.1f}% overhead), "
         f"{tokens} tokens"
     )
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(ns.result_file, result)
     return 0
