@@ -124,9 +124,10 @@ if HAS_TRITON:
 def enabled(logits: torch.Tensor) -> bool:
     """The fused kernel serves CUDA logits (CPU tests call :func:`fused_sample` directly under
     ``TRITON_INTERPRET=1``); ``LOOM_FUSED_SAMPLING=0`` keeps the PyTorch path."""
-    return HAS_TRITON and logits.is_cuda and os.environ.get("LOOM_FUSED_SAMPLING", "1") != "0"
+    return _ENABLED and logits.is_cuda
 
 
+_ENABLED = HAS_TRITON and os.environ.get("LOOM_FUSED_SAMPLING", "1") != "0"
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 

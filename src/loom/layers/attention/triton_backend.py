@@ -16,6 +16,7 @@ import torch
 from loom.layers.attention.base import AttentionBackend
 
 DEFAULT_NUM_KV_SPLITS = 8
+_FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls this per layer
 
 
 def num_kv_splits(bs: int) -> int:
@@ -24,9 +25,8 @@ def num_kv_splits(bs: int) -> int:
     4.46 ms against 4.56 with 8 splits), 8 above. The rule is constant over CUDA-graph buckets
     (1, 2, 4, 8, ...), so a graph and the eager step it pads compute the same thing.
     ``LOOM_TRITON_SPLITS`` overrides (for measuring)."""
-    forced = os.environ.get("LOOM_TRITON_SPLITS")
-    if forced:
-        return int(forced)
+    if _FORCED_SPLITS:
+        return int(_FORCED_SPLITS)
     return DEFAULT_NUM_KV_SPLITS * 2 if bs <= 4 else DEFAULT_NUM_KV_SPLITS
 
 

@@ -186,7 +186,7 @@ def decode_attention(
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
     group's scores and outputs with ``tl.dot`` (tensor cores, group padded to 16 rows; the
-    probabilities are rounded to the KV dtype for the second product, as FlashInfer does)
+    probabilities are rounded to the query dtype for the second product, as FlashInfer does)
     instead of fp32 broadcast products. Default: see ``_DECODE_VARIANT``."""
     if use_dot is None:
         if _DECODE_VARIANT in ("dot", "plain"):
