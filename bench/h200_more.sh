@@ -14,7 +14,7 @@
 #              wlfp8: the same with --kv-cache-dtype fp8_e4m3
 #   attn       decode attention alone (bench/attn_micro.py): Triton variants vs FlashInfer
 #   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
-#   kprof, kprof512  per-kernel profiles (bench/gpu_kernel_profile.py)
+#   kprof, kprof512, kprofpre  per-kernel profiles (bench/gpu_kernel_profile.py; kprofpre: prefill)
 #   quicktests the GPU tests of the newest kernels
 #   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
@@ -122,6 +122,11 @@ wlfp8)
   ;;
 wltriton)
   offline "8b-1000-random-triton" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --attention-backend triton
+  ;;
+kprofpre)
+  # one 8k-token prefill step (8 x 1024) and 32 x 1024 in 8k chunks: where prefill's time goes
+  $py bench/gpu_kernel_profile.py $L8 8 1024 1 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
+  $py bench/gpu_kernel_profile.py $L8 32 1024 1 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
   ;;
 kprof512)
   $py bench/gpu_kernel_profile.py $L8 512 800 16 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"

@@ -157,3 +157,104 @@ def test_fused_kernel_greedy_rows_masks_and_seeds():
     a = _fused_draws(seeded, 1, seeds=[(i, 7, 5) for i in range(4)])
     b = _fused_draws(seeded, 1, seeds=[(i, 7, 5) for i in range(4)])
     assert torch.equal(a, b) and len(set(a.tolist())) == 1  # same seed and position: same draw
+
+
+def _penalty_case(rows: int, vocab: int, seed: int):
+    """A PenaltyState with random counts and prompt tokens per row, random coefficients, and a
+    logit bias per row (with an -inf entry, as min_new_tokens sets), as the fused kernel and
+    the PyTorch reference (``_apply_dense`` then the bias) take them."""
+    from loom.sampling.penalties import PenaltyState
+
+    gen = torch.Generator().manual_seed(seed)
+    state = PenaltyState(vocab, torch.device("cpu"), capacity=rows + 3)
+    state_rows = []
+    for _ in range(rows):
+        prompt = torch.randint(0, vocab, (5,), generator=gen).tolist()
+        r = state.alloc(prompt)
+        state.counts[r] = torch.randint(0, 3, (vocab,), generator=gen, dtype=torch.int32)
+        state_rows.append(r)
+    coef = [
+        (torch.rand(rows, generator=gen) * 0.8).tolist(),
+        (torch.rand(rows, generator=gen) * 0.8).tolist(),
+        (1.0 + torch.rand(rows, generator=gen)).tolist(),
+    ]
+    if rows > 1:  # a row without penalties in the batch
+        state_rows[1] = -1
+        coef[0][1], coef[1][1], coef[2][1] = 0.0, 0.0, 1.0
+    bias = []
+    for i in range(rows):
+        cols = torch.randperm(vocab, generator=gen)[: 1 + i % 3].tolist()
+        row = {c: float(torch.randn(1, generator=gen)) for c in cols}
+        if i % 2 == 0:
+            row[cols[0]] = float("-inf")
+        bias.append(row)
+    return state, state_rows, coef, bias
+
+
+def _penalised_reference(logits, state, state_rows, coef, bias):
+    from loom.sampling.penalties import _apply_dense
+
+    want = logits.clone()
+    with_pen = [i for i, s in enumerate(state_rows) if s >= 0]
+    idx = torch.tensor(with_pen)
+    c = torch.tensor(coef)[:, idx]
+    _apply_dense(want, idx, torch.tensor(state_rows)[idx], state, c[0], c[1], c[2])
+    for i, row in enumerate(bias):
+        for t, v in row.items():
+            want[i, t] += v
+    return want
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fused_kernel_applies_penalties_and_bias_then_counts_the_token():
+    """Penalties, logit bias (min_new_tokens' -inf too) and greedy draws in the one kernel
+    equal the PyTorch path (_apply_dense, index_add_, argmax); the counts of penalised rows
+    advance by the drawn token, those of others do not move."""
+    from loom.sampling.triton_sampling import FusedPenalties, fused_sample
+
+    rows, vocab = 6, 40
+    state, state_rows, coef, bias = _penalty_case(rows, vocab, seed=1)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    want = _penalised_reference(logits, state, state_rows, coef, bias)
+    counts_before = state.counts.clone()
+    info = SamplingBatchInfo.build(
+        [SamplingParams(temperature=0.0)] * rows, [0] * rows, vocab, torch.device("cpu"),
+        with_params=True,
+    )  # fmt: skip
+    extras = FusedPenalties.build(state_rows, coef, bias, torch.device("cpu"))
+    got = logits.clone()
+    tokens = fused_sample(got, info.params, [], iters=12, extras=extras, state=state)
+    torch.testing.assert_close(got, want)  # applied in place
+    assert torch.equal(tokens, want.argmax(dim=-1))
+    expect = counts_before.clone()
+    for i, s in enumerate(state_rows):
+        if s >= 0:
+            expect[s, tokens[i]] += 1
+    assert torch.equal(state.counts, expect)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fused_kernel_with_penalties_samples_the_penalised_softmax():
+    from loom.sampling.triton_sampling import FusedPenalties, fused_sample
+    from tests.test_sampling_params import _chi2_p
+
+    n, vocab = 800, len(_FUSED_LOGITS)
+    state, state_rows, coef, bias = _penalty_case(1, vocab, seed=3)
+    one = _penalised_reference(_FUSED_LOGITS.view(1, -1), state, state_rows, coef, bias)[0]
+    # n rows, each with its own copy of the state row (one state row per batch row)
+    s0 = state_rows[0]
+    state.counts = state.counts[s0].expand(n, -1).clone()
+    state.in_prompt = state.in_prompt[s0].expand(n, -1).clone()
+    extras = FusedPenalties.build(
+        list(range(n)), [[c[0]] * n for c in coef], bias * n, torch.device("cpu")
+    )
+    t, p = 1.2, 0.9
+    info = _info([SamplingParams(temperature=t, top_p=p)] * n, vocab=vocab)
+    rows = _FUSED_LOGITS.expand(n, -1).clone()
+    draws = fused_sample(rows, info.params, [], iters=12, extras=extras, state=state)
+    counts = torch.bincount(draws, minlength=vocab).double()
+    want = _reference_filtered(one, t, 0, p, 0.0)
+    expected = want / want.sum() * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
+    assert _chi2_p(counts[keep], expected[keep]) > 1e-3

@@ -43,6 +43,68 @@ def test_greedy_equals_torch_native(tiny_dir, backend):
     assert got == want
 
 
+@pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])
+def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill, decode):
+    """--prefill-attention-backend / --decode-attention-backend: extend batches (chunked here)
+    run on one backend and decode on the other, over the same KV pool."""
+    from loom.layers.attention.hybrid import HybridAttnBackend
+
+    prompts = [
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (3, 17, 40)
+    ]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    kw = dict(
+        model=tiny_dir,
+        skip_tokenizer_init=True,
+        max_total_tokens=1024,
+        dtype="float32",
+        chunked_prefill_size=16,
+        page_size=4,
+    )
+    with loom.Engine(attention_backend="torch_native", **kw) as e:
+        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    kw.update(prefill_attention_backend=prefill, decode_attention_backend=decode)
+    with loom.Engine(**kw) as e:
+        info = e.get_server_info()
+        assert (info["prefill_attention_backend"], info["decode_attention_backend"]) == (
+            prefill,
+            decode,
+        )
+        assert info["attention_backend"] == f"{prefill} prefill + {decode} decode"
+        hybrid = e.runner.attn_backend
+        assert isinstance(hybrid, HybridAttnBackend)
+        calls = {"prefill": 0, "decode": 0}
+        for phase, inner in (
+            ("prefill", hybrid.prefill_backend),
+            ("decode", hybrid.decode_backend),
+        ):
+            orig = inner.init_forward_metadata
+
+            def counted(batch, _orig=orig, _phase=phase):
+                calls[_phase] += 1
+                return _orig(batch)
+
+            inner.init_forward_metadata = counted
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+        e.scheduler.check_kv_balance()
+    assert got == want
+    assert calls["prefill"] >= 4 and calls["decode"] >= 7  # 60 prompt tokens in chunks of 16
+
+
+def test_same_backend_for_both_phases_is_one_instance(tiny_dir):
+    with loom.Engine(
+        model=tiny_dir,
+        skip_tokenizer_init=True,
+        max_total_tokens=256,
+        dtype="float32",
+        prefill_attention_backend="torch_native",
+        attention_backend="torch_native",
+    ) as e:
+        assert e.get_server_info()["attention_backend"] == "torch_native"
+        assert type(e.runner.attn_backend).__name__ == "TorchNativeAttnBackend"
+
+
 @pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
 def test_decode_kernel_variants_match_dense_attention(use_dot, group):
@@ -64,10 +126,11 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group):
         used += n
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
     scale = head_dim**-0.5
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
     out = decode_attention(
-        q, k_buf, v_buf, table, torch.arange(len(seq_lens)), torch.tensor(seq_lens), scale, 4,
-        use_dot=use_dot,
-    )  # fmt: skip
+        *(t.to(dev) for t in (q, k_buf, v_buf, table, torch.arange(len(seq_lens)))),
+        torch.tensor(seq_lens, device=dev), scale, 4, use_dot=use_dot,
+    ).cpu()  # fmt: skip
     for r, n in enumerate(seq_lens):
         idx = table[r, :n]
         k = k_buf[idx].repeat_interleave(group, dim=1)  # [n, heads, d]
@@ -112,3 +175,43 @@ def test_decode_default_variant_in_half_precision_matches_dense_attention(dtype)
         att = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * head_dim**-0.5, -1)
         want = torch.einsum("hn,nhd->hd", att, v)
         torch.testing.assert_close(out[r].float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch):
+    """The scheduler's GPU sampling path (penalties, logit bias and min_new_tokens applied by the
+    sampling kernel, counts advanced there), run on CPU under the interpreter: the same greedy
+    tokens as the PyTorch path, in a batch mixing penalised, biased and plain rows, also as
+    requests finish and the batch shrinks."""
+    import loom.scheduler.scheduler as sched_mod
+
+    prompts = [
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (3, 17, 40, 9)
+    ]
+    params = [
+        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "frequency_penalty": 0.7,
+         "presence_penalty": 0.3, "repetition_penalty": 1.3},
+        {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logit_bias": {"5": 3.0}},
+        {"max_new_tokens": 10, "temperature": 0, "repetition_penalty": 1.5, "min_new_tokens": 4,
+         "stop_token_ids": [7, 11], "logit_bias": {"7": 2.0, "9": -1.5}},
+        {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    ]  # fmt: skip
+    kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=1024, dtype="float32")
+    runs = {}
+    for fused in (False, True):
+        calls = []
+        real = sched_mod.fused_sample
+
+        def spy(*a, _real=real, _calls=calls, **k):
+            _calls.append(1)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits, f=fused: f)
+        monkeypatch.setattr(sched_mod, "fused_sample", spy)
+        with loom.Engine(attention_backend="torch_native", **kw) as e:
+            runs[fused] = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+            e.scheduler.check_kv_balance()
+        assert bool(calls) == fused
+    assert runs[True] == runs[False]

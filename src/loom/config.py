@@ -230,6 +230,24 @@ class ServerArgs:
             extra_choices=("auto",),
         ),
     )
+    prefill_attention_backend: str | None = field(
+        default=None,
+        metadata=_arg(
+            "Attention kernels for extend batches (prefill, chunked prefill) when they should "
+            "differ from --attention-backend; both share the KV pool.",
+            family="attention_backend",
+            extra_choices=("auto",),
+        ),
+    )
+    decode_attention_backend: str | None = field(
+        default=None,
+        metadata=_arg(
+            "Attention kernels for decode batches (and their CUDA graphs) when they should "
+            "differ from --attention-backend.",
+            family="attention_backend",
+            extra_choices=("auto",),
+        ),
+    )
 
     # HTTP server (loom serve)
     host: str = field(default="127.0.0.1", metadata=_arg("Address the HTTP server listens on."))

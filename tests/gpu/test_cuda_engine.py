@@ -281,10 +281,11 @@ def test_cuda_fused_sampling_follows_the_filtered_softmax():
         assert _chi2_p(counts[keep], expected[keep]) > 1e-3
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
 def test_large_batches_replay_graphs_exactly(tmp_path, backend):
     """300 requests in bf16 (graph buckets up to 320, the tl.dot Triton decode): replayed CUDA
-    graphs give exactly the eager tokens, and the pool balances."""
+    graphs give exactly the eager tokens, and the pool balances. ``auto`` on CUDA: FlashInfer
+    prefill + Triton decode (or Triton alone without FlashInfer)."""
     if backend == "flashinfer":
         from loom.layers.attention.flashinfer_backend import import_error
 
@@ -304,6 +305,11 @@ def test_large_batches_replay_graphs_exactly(tmp_path, backend):
     runs = {}
     for graphs in (False, True):
         with loom.Engine(disable_cuda_graph=not graphs, cuda_graph_max_bs=320, **kw) as e:
+            if backend == "auto":
+                from loom.layers.attention.flashinfer_backend import import_error
+
+                want_name = "triton" if import_error() else "flashinfer prefill + triton decode"
+                assert e.get_server_info()["attention_backend"] == want_name
             runs[graphs] = [
                 o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
             ]

@@ -5,7 +5,8 @@
 2. Decode throughput: ``--batch-size`` requests at a time, each constrained by one of the schemas,
    then the same prompts unconstrained with ``max_new_tokens`` set to what each constrained
    request produced (``ignore_eos``), so both runs decode the same number of tokens in the same
-   batch shapes. Reports output tokens/s of both and the overhead.
+   batch shapes. Reports output tokens/s of both and the overhead, end to end and over the
+   decode steps alone (the scheduler's step profile: decode tokens / time in decode steps).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from typing import Any
 
 from loom.bench import append_result
+from loom.bench.offline import step_profile
 
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:
@@ -79,21 +81,22 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         engine.generate(input_ids=[p for p, _ in warm], sampling_params=[ps for _, ps in warm])
         engine.flush_cache()
 
-        def run(ps: list[dict[str, Any]]) -> tuple[float, list[int]]:
-            lens, start = [], time.perf_counter()
+        def run(ps: list[dict[str, Any]]) -> tuple[float, list[int], dict[str, Any]]:
+            lens, before, start = [], dict(engine.get_server_info()), time.perf_counter()
             for i in range(0, len(prompts), ns.batch_size):
                 outs = engine.generate(
                     input_ids=prompts[i : i + ns.batch_size],
                     sampling_params=ps[i : i + ns.batch_size],
                 )
                 lens += [o["meta_info"]["completion_tokens"] for o in outs]
-            return time.perf_counter() - start, lens
+            elapsed = time.perf_counter() - start
+            return elapsed, lens, step_profile(before, engine.get_server_info())
 
-        t_con, lens = run(params)
+        t_con, lens, steps_con = run(params)
         engine.flush_cache()
         time.sleep(0.2)
         free = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lens]
-        t_free, lens_free = run(free)
+        t_free, lens_free, steps_free = run(free)
     tokens = sum(lens)
     result = {
         "bench": "structured",
@@ -109,14 +112,24 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         "output_tokens": tokens,
         "constrained_tok_s": tokens / t_con,
         "unconstrained_tok_s": sum(lens_free) / t_free,
+        "attention_backend": info["attention_backend"],
     }
     result["overhead"] = result["unconstrained_tok_s"] / result["constrained_tok_s"] - 1
+    # Decode steps alone (the scheduler's step profile): no prefill, no request set-up.
+    for tag, st in (("constrained", steps_con), ("unconstrained", steps_free)):
+        result[f"{tag}_decode_tok_s"] = st["num_decode_tokens"] / max(st["time_decode_s"], 1e-9)
+        result[f"{tag}_steps"] = st
+    result["decode_overhead"] = (
+        result["unconstrained_decode_tok_s"] / result["constrained_decode_tok_s"] - 1
+    )
     print(
         f"Loom structured ({args.grammar_backend}, {info['device']}, batch {ns.batch_size}): "
         f"compile p50 {result['compile_ms_p50']:.2f} ms, p99 {result['compile_ms_p99']:.2f} ms; "
-        f"decode constrained {result['constrained_tok_s']:.1f} tok/s vs unconstrained "
-        f"{result['unconstrained_tok_s']:.1f} tok/s ({100 * result['overhead']:+.1f}% overhead), "
-        f"{tokens} tokens"
+        f"end to end constrained {result['constrained_tok_s']:.1f} tok/s vs unconstrained "
+        f"{result['unconstrained_tok_s']:.1f} tok/s ({100 * result['overhead']:+.1f}% overhead); "
+        f"decode steps alone {result['constrained_decode_tok_s']:.1f} vs "
+        f"{result['unconstrained_decode_tok_s']:.1f} tok/s "
+        f"({100 * result['decode_overhead']:+.1f}%), {tokens} tokens"
     )
     append_result(ns.result_file, result)
     return 0

@@ -41,6 +41,8 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "attention_backend": runner.attention_backend_name,
+        "prefill_attention_backend": runner.prefill_attention_backend_name,
+        "decode_attention_backend": runner.decode_attention_backend_name,
         "max_total_tokens": runner.max_total_tokens,
         "max_running_requests": runner.max_running_requests,
         "context_length": runner.model_config.context_len,

@@ -31,6 +31,9 @@ _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.floa
 # (5.11 vs 5.35 ms per step): FlashInfer goes first where it imports, Triton otherwise.
 _AUTO_BACKENDS = {
     "cuda": ["flashinfer", "triton", "flash_attention", "torch_native"],
+    # Decode: Loom's Triton kernels need no per-step host planning, which FlashInfer's decode
+    # does (docs/benchmarks.md has both on the H200).
+    ("cuda", "decode"): ["triton", "flashinfer", "flash_attention", "torch_native"],
     "cpu": ["torch_native"],
 }
 # On the H200 the 1000-request Llama-3-8B workload ran at 10,017 output tok/s with 1024 running
@@ -159,7 +162,7 @@ class ModelRunner:
         )
 
     def _init_attention_backend(self) -> None:
-        name = self.args.attention_backend
+        args = self.args
         heads = self.model_config.hf_config.num_attention_heads // get_tp_size()
         ctx = AttentionContext(
             num_heads=heads,
@@ -170,29 +173,51 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
         )
-        if name == "auto":
-            # The first registered backend, in the device's order, that supports this device,
-            # dtype and shape (a backend's constructor raises ValueError for shapes it lacks).
-            registered = set(plugins.names("attention_backend"))
-            for candidate in _AUTO_BACKENDS.get(self.device.type, ["torch_native"]):
-                if candidate not in registered:
-                    continue
-                cls = plugins.resolve("attention_backend", candidate)
-                if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
-                    continue
-                try:
-                    self.attn_backend = cls(ctx)
-                except ValueError as e:
-                    logger.info("attention backend %s skipped: %s", candidate, e)
-                    continue
-                self.attention_backend_name = candidate
-                return
-            raise ValueError(f"no attention backend supports {self.device} / {self.dtype}")
-        self.attention_backend_name = name
-        cls = plugins.resolve("attention_backend", name)
-        if not cls.is_supported(self.device):
-            raise ValueError(f"attention backend {name!r} does not support {self.device}")
-        self.attn_backend = cls(ctx)
+        prefill = args.prefill_attention_backend or args.attention_backend
+        decode = args.decode_attention_backend or args.attention_backend
+        p_backend, p_name = self._build_attention_backend(prefill, "prefill", ctx)
+        if decode == prefill and prefill != "auto":
+            d_backend, d_name = p_backend, p_name
+        else:
+            d_backend, d_name = self._build_attention_backend(decode, "decode", ctx, p_name)
+            if d_name == p_name:
+                d_backend = p_backend
+        self.prefill_attention_backend_name, self.decode_attention_backend_name = p_name, d_name
+        if d_backend is p_backend:
+            self.attn_backend, self.attention_backend_name = p_backend, p_name
+        else:
+            from loom.layers.attention.hybrid import HybridAttnBackend
+
+            self.attn_backend = HybridAttnBackend(p_backend, d_backend)
+            self.attention_backend_name = f"{p_name} prefill + {d_name} decode"
+
+    def _build_attention_backend(self, name: str, phase: str, ctx, reuse: str | None = None):
+        """The backend ``name`` for one phase; ``auto`` takes the first in the device's order
+        for that phase that is registered and supports the device, dtype and shape (a backend's
+        constructor raises ValueError for shapes it lacks). ``reuse``: a name already built for
+        the other phase (its instance is shared, not built twice)."""
+        if name != "auto":
+            cls = plugins.resolve("attention_backend", name)
+            if not cls.is_supported(self.device):
+                raise ValueError(f"attention backend {name!r} does not support {self.device}")
+            return (None if name == reuse else cls(ctx)), name
+        registered = set(plugins.names("attention_backend"))
+        order = _AUTO_BACKENDS.get((self.device.type, phase)) or _AUTO_BACKENDS.get(
+            self.device.type, ["torch_native"]
+        )
+        for candidate in order:
+            if candidate not in registered:
+                continue
+            cls = plugins.resolve("attention_backend", candidate)
+            if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
+                continue
+            if candidate == reuse:
+                return None, candidate
+            try:
+                return cls(ctx), candidate
+            except ValueError as e:
+                logger.info("attention backend %s skipped for %s: %s", candidate, phase, e)
+        raise ValueError(f"no attention backend supports {self.device} / {self.dtype}")
 
     # ---- forward --------------------------------------------------------------------------
 

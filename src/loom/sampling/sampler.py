@@ -42,7 +42,10 @@ class SamplingBatchInfo:
         output_lens: list[int],
         vocab_size: int,
         device: torch.device,
+        with_params: bool = False,
     ) -> SamplingBatchInfo:
+        """``with_params``: build the ``[5, bs]`` rows even when every row is greedy (the fused
+        kernel also serves greedy rows when it applies penalties or bias)."""
         greedy = [p.is_greedy for p in params]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         processors: dict[str, list[int]] = {}
@@ -67,7 +70,7 @@ class SamplingBatchInfo:
             ],
             processors=processors,
         )
-        if info.is_all_greedy:
+        if info.is_all_greedy and not with_params:
             return info  # argmax needs no per-row tensors: nothing to copy to the device
         # One host-to-device copy for all per-row parameters.
         rows = torch.tensor(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -42,17 +43,60 @@ if HAS_TRITON:
         Params,  # [5, bs] fp32: temperature, top_p, top_k, min_p, greedy
         Seeds,  # [bs] int64, when HAS_SEEDS
         Out,
+        StateRows,  # [bs] int64 penalty-state row (-1: none), when HAS_PEN
+        Counts,  # [rows, V] int32 output-token counts
+        InPrompt,  # [rows, V] int8
+        Coef,  # [3, bs] fp32: frequency, presence, repetition
+        BiasPtr,  # [bs + 1] int64 CSR offsets into BiasCols / BiasVals, when HAS_BIAS
+        BiasCols,
+        BiasVals,
         stride_l,
         stride_p,
+        stride_c,
+        stride_ip,
+        stride_coef,
         base_seed,
         V,
         HAS_SEEDS: tl.constexpr,
+        HAS_PEN: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr,
         ITERS: tl.constexpr,
     ):
         row = tl.program_id(0)
         base = Logits + row * stride_l
         offs = tl.arange(0, BLOCK)
+        # 0. penalties, then logit bias, written back in place (the order of the PyTorch path;
+        # a grammar's -inf entries applied before stay -inf under both)
+        s = -1
+        if HAS_PEN:
+            s = tl.load(StateRows + row)
+            if s >= 0:
+                f = tl.load(Coef + row)
+                pr = tl.load(Coef + stride_coef + row)
+                r = tl.load(Coef + 2 * stride_coef + row)
+                for start in range(0, V, BLOCK):
+                    cols = start + offs
+                    mask = cols < V
+                    x = tl.load(base + cols, mask=mask, other=0.0)
+                    c = tl.load(Counts + s * stride_c + cols, mask=mask, other=0).to(tl.float32)
+                    ip = tl.load(InPrompt + s * stride_ip + cols, mask=mask, other=0)
+                    seen_out = c > 0
+                    x = x - f * c - pr * seen_out.to(tl.float32)
+                    x = tl.where(seen_out | (ip != 0), tl.where(x > 0, x / r, x * r), x)
+                    tl.store(base + cols, x, mask=mask)
+                tl.debug_barrier()
+        if HAS_BIAS:
+            b0 = tl.load(BiasPtr + row)
+            b1 = tl.load(BiasPtr + row + 1)
+            boffs = tl.arange(0, 16)
+            for j in range(b0, b1, 16):  # a row's columns are distinct: no write conflicts
+                bmask = j + boffs < b1
+                bc = tl.load(BiasCols + j + boffs, mask=bmask, other=0)
+                bv = tl.load(BiasVals + j + boffs, mask=bmask, other=0.0)
+                x = tl.load(base + bc, mask=bmask, other=0.0)
+                tl.store(base + bc, x + bv, mask=bmask)
+            tl.debug_barrier()
         # 1. maximum, its first index, smallest finite logit
         m = -float("inf")
         lo = float("inf")
@@ -119,6 +163,9 @@ if HAS_TRITON:
                 best = tl.where(bs_ > top, bi, best)
                 top = tl.maximum(top, bs_)
         tl.store(Out + row, best)
+        if HAS_PEN:
+            if s >= 0:  # count the token drawn (one state row per batch row)
+                tl.atomic_add(Counts + s * stride_c + best, 1)
 
 
 def enabled(logits: torch.Tensor) -> bool:
@@ -136,18 +183,66 @@ def row_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) & _SEED_MASK
 
 
+@dataclass
+class FusedPenalties:
+    """What the kernel needs to apply penalties and logit bias itself (``fused_sample``), built
+    once per batch (``Scheduler._sampling_plan``). The counts live in a ``PenaltyState``,
+    passed at call time (it may have grown since)."""
+
+    state_rows: torch.Tensor | None  # [bs] int64, -1 for rows without penalties
+    coef: torch.Tensor | None  # [3, bs] fp32: frequency, presence, repetition (0, 0, 1: none)
+    bias_ptr: torch.Tensor | None  # [bs + 1] int64 CSR offsets
+    bias_cols: torch.Tensor | None  # int64, distinct within a row
+    bias_vals: torch.Tensor | None  # fp32 (-inf for min_new_tokens)
+
+    @classmethod
+    def build(
+        cls,
+        state_rows: list[int] | None,
+        coef: list[list[float]] | None,
+        bias: list[dict[int, float]] | None,
+        device: torch.device,
+    ) -> FusedPenalties:
+        """``state_rows`` / ``coef`` ([3][bs]) are None without penalties; ``bias``: per row,
+        token -> value (None without any)."""
+
+        def dev(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        out = cls(None, None, None, None, None)
+        if state_rows is not None:
+            out.state_rows = dev(state_rows, torch.int64)
+            out.coef = dev(coef, torch.float32)
+        if bias is not None:
+            ptr, cols, vals = [0], [], []
+            for row in bias:
+                for t, v in row.items():
+                    cols.append(t)
+                    vals.append(v)
+                ptr.append(len(cols))
+            out.bias_ptr = dev(ptr, torch.int64)
+            out.bias_cols = dev(cols, torch.int64)
+            out.bias_vals = dev(vals, torch.float32)
+        return out
+
+
 def fused_sample(
     logits: torch.Tensor,
     params: torch.Tensor,
     seeds: list[tuple[int, int, int]] | None = None,
     base_seed: int | None = None,
     iters: int = 32,
+    extras: FusedPenalties | None = None,
+    state=None,
 ) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]`` (row stride may exceed the width).
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
     size when off), min_p, greedy (1.0 / 0.0). ``seeds``: ``(row, seed, output position)`` of
     seeded rows; the others draw from ``base_seed`` (random when None) plus the row index.
-    ``iters``: bisection halvings of the logit range (32 reach fp32 resolution)."""
+    ``iters``: bisection halvings of the logit range (32 reach fp32 resolution).
+    ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
+    kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
+    first, in one kernel with the draw."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
@@ -161,16 +256,33 @@ def fused_sample(
             per_row[row] = row_seed(seed, position)
         seed_t = torch.tensor(per_row, dtype=torch.int64).to(logits.device, non_blocking=True)
     block = min(4096, triton.next_power_of_2(vocab))
+    has_pen = extras is not None and extras.state_rows is not None
+    has_bias = extras is not None and extras.bias_ptr is not None
+    counts = state.counts if has_pen else out
+    in_prompt = state.in_prompt.view(torch.int8) if has_pen else out
+    coef = extras.coef if has_pen else params
     _sample_kernel[(bs,)](
         logits,
         params,
         seed_t,
         out,
+        extras.state_rows if has_pen else out,
+        counts,
+        in_prompt,
+        coef,
+        extras.bias_ptr if has_bias else out,
+        extras.bias_cols if has_bias else out,
+        extras.bias_vals if has_bias else params,
         logits.stride(0),
         params.stride(0),
+        counts.stride(0),
+        in_prompt.stride(0),
+        coef.stride(0),
         base_seed,
         vocab,
         HAS_SEEDS=bool(seeds),
+        HAS_PEN=has_pen,
+        HAS_BIAS=has_bias,
         BLOCK=block,
         ITERS=iters,
     )

@@ -32,6 +32,8 @@ from loom.mem_cache.radix_cache import RadixCache
 from loom.sampling.logits_processor import TokenHistory
 from loom.sampling.penalties import PenaltyState, apply_penalties
 from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
+from loom.sampling.triton_sampling import FusedPenalties, fused_sample
+from loom.sampling.triton_sampling import enabled as fused_sampling_enabled
 from loom.scheduler.policy import NoPrefixCache
 from loom.scheduler.request import Req, ReqOutput
 
@@ -131,6 +133,8 @@ class _SamplingPlan:
     has_grammar: bool
     penalties: tuple | None = None  # see _build_sampling_plan
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
+    # On a GPU: penalties and bias applied by the sampling kernel itself (one launch a step)
+    fused: FusedPenalties | None = None
 
 
 @dataclass
@@ -893,6 +897,15 @@ class Scheduler:
         if info.processors:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
+        if plan.fused is not None:
+            # One kernel: penalties, bias, the draw, and the counts of the drawn tokens. The
+            # grammar's mask goes first (its -inf entries stay -inf under both).
+            if plan.has_grammar:
+                self._apply_grammar_masks(logits, reqs)
+            tokens = fused_sample(
+                logits, info.params, info.seeds, extras=plan.fused, state=self.penalties
+            )
+            return self._finish_sampled(tokens, raw, reqs, want_lp)
         if plan.penalties is not None:
             batch_rows, state_rows, coef, row_base, ones, all_rows = plan.penalties
             apply_penalties(logits, batch_rows, state_rows, self.penalties, *coef.unbind(0))
@@ -905,6 +918,10 @@ class Scheduler:
         if plan.penalties is not None:
             picked = tokens if all_rows else tokens.index_select(0, batch_rows)
             self.penalties.add(state_rows, picked, row_base, ones)
+        return self._finish_sampled(tokens, raw, reqs, want_lp)
+
+    @staticmethod
+    def _finish_sampled(tokens, raw, reqs, want_lp) -> _Sampled:
         out = _Sampled(tokens)
         if want_lp:
             lsm = torch.log_softmax(raw.float(), dim=-1)
@@ -936,7 +953,14 @@ class Scheduler:
 
     def _build_sampling_plan(self, key, logits, reqs, params, out_lens) -> _SamplingPlan:
         dev = logits.device
-        info = SamplingBatchInfo.build(params, out_lens, logits.shape[-1], dev)
+        vocab = logits.shape[-1]
+        pen = [i for i, p in enumerate(params) if p.has_penalties and not reqs[i].is_finished]
+        bias_rows = [
+            i for i, (p, n) in enumerate(zip(params, out_lens, strict=True))
+            if n < p.min_new_tokens or p.logit_bias
+        ]  # fmt: skip
+        fused = (pen or bias_rows) and fused_sampling_enabled(logits)
+        info = SamplingBatchInfo.build(params, out_lens, vocab, dev, with_params=fused)
         plan = _SamplingPlan(
             key=key,
             info=info,
@@ -944,13 +968,16 @@ class Scheduler:
             want_logprobs=any(r.return_logprob for r in reqs),
             has_grammar=any(r.grammar is not None and not r.is_finished for r in reqs),
         )
-        pen = [i for i, p in enumerate(params) if p.has_penalties and not reqs[i].is_finished]
         if pen:
             if self.penalties is None:
                 self.penalties = PenaltyState(logits.shape[-1], dev)
             for i in pen:
                 if reqs[i].penalty_row is None:
                     reqs[i].penalty_row = self.penalties.alloc(reqs[i].origin_input_ids)
+        if fused:
+            plan.fused = self._fused_penalties(reqs, params, out_lens, pen, bias_rows, dev)
+            return plan
+        if pen:
             coef = torch.tensor(
                 [
                     [float(params[i].frequency_penalty) for i in pen],
@@ -989,6 +1016,31 @@ class Scheduler:
             v = torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True)
             plan.bias = (flat.to(dev, non_blocking=True), v)
         return plan
+
+    def _fused_penalties(self, reqs, params, out_lens, pen, bias_rows, dev) -> FusedPenalties:
+        """The plan's penalty rows and coefficients and its logit bias (with min_new_tokens'
+        -inf entries) as the fused sampling kernel takes them."""
+        bs = len(params)
+        state_rows = coef = bias = None
+        if pen:
+            state_rows = [-1] * bs
+            coef = [[0.0] * bs, [0.0] * bs, [1.0] * bs]
+            for i in pen:
+                p = params[i]
+                state_rows[i] = reqs[i].penalty_row
+                coef[0][i] = float(p.frequency_penalty)
+                coef[1][i] = float(p.presence_penalty)
+                coef[2][i] = float(p.repetition_penalty)
+        if bias_rows:
+            bias = [{} for _ in range(bs)]
+            for i in bias_rows:
+                p, row = params[i], bias[i]
+                for t, b in (p.logit_bias or {}).items():
+                    row[int(t)] = float(b)
+                if out_lens[i] < p.min_new_tokens:
+                    for t in self.eos_token_ids | set(p.stop_token_ids):
+                        row[t] = float("-inf")
+        return FusedPenalties.build(state_rows, coef, bias, dev)
 
     def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """Each constrained row's allowed tokens, filled on the host (on a GPU this overlaps

@@ -1,0 +1,48 @@
+"""Different attention backends for prefill and decode (``--prefill-attention-backend``,
+``--decode-attention-backend``, as in SGLang).
+
+Both read and write the same paged KV pool, so a batch may go to either: extend batches (prefill,
+chunked prefill, mixed chunks) run on the prefill backend, decode batches (and so the CUDA graphs)
+on the decode backend. The point is that the best kernel differs by phase: FlashInfer's prefill
+kernels are the fastest extend on a GPU, while its decode plans every step on the host (~0.5 ms a
+step for SmolLM2 on the H200, half of a host-bound step), which Loom's Triton decode does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.layers.attention.base import AttentionBackend
+
+
+class HybridAttnBackend(AttentionBackend):
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        super().__init__(decode.ctx)
+        self.prefill_backend = prefill
+        self.decode_backend = decode
+        self.supports_cuda_graph = decode.supports_cuda_graph  # graphs replay decode only
+        self.plans_on_host = decode.plans_on_host
+
+    def _pick(self, batch) -> AttentionBackend:
+        return self.decode_backend if batch.is_decode else self.prefill_backend
+
+    def graph_wrapper(self, bs: int, max_kv_tokens: int) -> Any:
+        return self.decode_backend.graph_wrapper(bs, max_kv_tokens)
+
+    def init_forward_metadata(self, batch) -> None:
+        self._pick(batch).init_forward_metadata(batch)
+
+    def prepare_host(self, batch) -> Any:
+        return self._pick(batch).prepare_host(batch)
+
+    def prepare_device(self, batch, metadata) -> None:
+        self._pick(batch).prepare_device(batch, metadata)
+
+    def forward(self, q, k, v, layer, batch, save_kv: bool = True):
+        return self._pick(batch).forward(q, k, v, layer, batch, save_kv=save_kv)
+
+    def forward_extend(self, q, layer, batch):
+        return self.prefill_backend.forward_extend(q, layer, batch)
+
+    def forward_decode(self, q, layer, batch):
+        return self.decode_backend.forward_decode(q, layer, batch)
