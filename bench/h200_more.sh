@@ -19,6 +19,9 @@
 #   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
 #   bf16parity GGUF  bench/bf16_parity.py on the default model's weights
+#   defaults   8B and SmolLM2 batch 1 with the default backends; wl8bfi: the 1000-request workload
+#              with FlashInfer decode; smol256: SmolLM2's 256-request workload; structured8bx: the
+#              8B-body structured figures, xgrammar only
 #   ficache    pack FlashInfer's JIT-compiled modules into OUTDIR/fi-jit.txz (carry it back as
 #              .whl/fi-jit.txz: later machines load them as AOT modules, no rebuild)
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
@@ -149,7 +152,36 @@ pyspy)
   ;;
 quicktests)
   $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
-  $py -m pytest -q tests/test_triton_backend.py tests/test_conformance.py -k "half or variants or cuda" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py tests/test_conformance.py -k "half or variants or cuda or hybrid or fused_penalties" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  ;;
+quick4)
+  # session 4's GPU tests: fused penalties in the sampling kernel, hybrid backends, graphs
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py -k "hybrid or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  ;;
+sampling8b2)
+  for s in greedy penalties; do
+    offline "8b-b32-$s" --model $L8 --num-prompts 32 --input-len 128 --output-len 128 --max-running-requests 32 --sampling $s
+  done
+  ;;
+defaults)
+  # the defaults as they now are (FlashInfer prefill + Triton decode on CUDA)
+  latency "8b-b1-default" --model $L8 --batch-size 1 --input-len 128 --output-len 256
+  offline "smol-b1-default" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
+  ;;
+wl8bfi)
+  # the 1000-request workload with FlashInfer decode too (the default before session 4)
+  offline "8b-1000-random-fidecode" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --decode-attention-backend flashinfer
+  ;;
+smol256)
+  offline "smol-256-random" --model $SM --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
+  ;;
+structured8bx)
+  for bs in 1 16; do
+    $py -m loom.cli bench structured --model bench/configs/llama-3-8b-smolvocab.json --load-format dummy \
+      --tokenizer-path .tok --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
+      --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+  done
   ;;
 attn)
   $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | tail -12 | tee -a "$log"

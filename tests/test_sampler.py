@@ -113,6 +113,12 @@ def test_two_stage_argmax_is_argmax_with_ties(vocab):
 
 # ---- the fused GPU sampling kernel (CPU: Triton's interpreter) ----------------------------------
 
+# CPU tensors through Triton's interpreter (on a GPU machine tests/gpu and the engine-level
+# test in test_triton_backend.py run the kernel for real)
+_INTERPRETER = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+    reason="Triton interpreter tests (CPU only)",
+)
 _FUSED_LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.2, -0.5, -1.0, -3.0, 0.9, 1.1, -0.1, 0.0])
 
 
@@ -126,7 +132,7 @@ def _fused_draws(params, n, seeds=None, logits=None):
     return fused_sample(rows, info.params, seeds if seeds is not None else info.seeds, iters=12)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@_INTERPRETER
 @pytest.mark.parametrize(
     "t,k,p,m",
     [(0.7, 3, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.3, 5, 0.9, 0.05), (1.0, -1, 1.0, 0.3)],
@@ -144,7 +150,7 @@ def test_fused_kernel_samples_follow_the_filtered_softmax(t, k, p, m):
     assert _chi2_p(counts[keep], expected[keep]) > 1e-3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@_INTERPRETER
 def test_fused_kernel_greedy_rows_masks_and_seeds():
     logits = _FUSED_LOGITS.clone()
     logits[0] = float("-inf")  # a grammar mask: never drawn
@@ -205,7 +211,7 @@ def _penalised_reference(logits, state, state_rows, coef, bias):
     return want
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@_INTERPRETER
 def test_fused_kernel_applies_penalties_and_bias_then_counts_the_token():
     """Penalties, logit bias (min_new_tokens' -inf too) and greedy draws in the one kernel
     equal the PyTorch path (_apply_dense, index_add_, argmax); the counts of penalised rows
@@ -233,7 +239,7 @@ def test_fused_kernel_applies_penalties_and_bias_then_counts_the_token():
     assert torch.equal(state.counts, expect)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@_INTERPRETER
 def test_fused_kernel_with_penalties_samples_the_penalised_softmax():
     from loom.sampling.triton_sampling import FusedPenalties, fused_sample
     from tests.test_sampling_params import _chi2_p

@@ -64,7 +64,10 @@ def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill
     )
     with loom.Engine(attention_backend="torch_native", **kw) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
-    kw.update(prefill_attention_backend=prefill, decode_attention_backend=decode)
+    # (eager decode on CUDA too: a replayed graph would not pass through the counters below)
+    kw.update(
+        prefill_attention_backend=prefill, decode_attention_backend=decode, disable_cuda_graph=True
+    )
     with loom.Engine(**kw) as e:
         info = e.get_server_info()
         assert (info["prefill_attention_backend"], info["decode_attention_backend"]) == (

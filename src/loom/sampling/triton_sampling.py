@@ -11,8 +11,9 @@ a SmolLM2-sized decode step (docs/benchmarks.md). Here one program per row:
 3. finds the cut ``tau`` of the kept set ``{x >= tau}`` by bisection on the logit: the kept set
    of top-k, top-p and min-p is the intersection of three upper sets of the sorted row, so ``tau``
    is the largest of their three cuts, and ``max(cut_k, cut_p) = sup{tau : count(x >= tau) >= k or
-   mass(x >= tau) >= p * Z}`` (both predicates shrink as ``tau`` grows), found in 32 halvings;
-   min-p's cut is ``m + T log(min_p)``;
+   mass(x >= tau) >= p * Z}`` (both predicates shrink as ``tau`` grows), found by halving the
+   interval above min-p's cut ``m + T log(min_p)`` (at most 32 times, and no further once it
+   holds a single logit: the kept set is then decided);
 4. draws ``argmax((x - m) / T + G)`` over the kept set with Gumbel noise ``G`` (the Gumbel-max
    trick, equivalent to the exponential race of the PyTorch path) from Triton's Philox generator,
    seeded per row: a seeded request's noise depends only on its seed and output position.
@@ -129,9 +130,16 @@ if HAS_TRITON:
             use_k = top_k < V
             use_p = top_p < 1.0
             if use_k | use_p:
-                a = lo  # the kept set {x >= a} satisfies the predicate (or nothing does)
-                b = m + 1.0  # keeps nothing
-                for _ in range(ITERS):
+                # The kept set {x >= a} satisfies the predicate (or nothing above min-p's cut
+                # does: then that cut stands); {x >= b} keeps nothing. cnt_a >= count(x >= a)
+                # and cnt_b = count(x >= b): once [a, b) holds at most one logit, further
+                # halvings cannot change the set {x >= a}, so the search stops there.
+                a = tau
+                b = m + 1.0
+                cnt_a = V * 1.0
+                cnt_b = 0.0
+                it = 0
+                while (it < ITERS) & (cnt_a - cnt_b > 1.0):
                     mid = 0.5 * (a + b)
                     count = 0.0
                     mass = 0.0
@@ -143,7 +151,10 @@ if HAS_TRITON:
                         mass += tl.sum(tl.where(keep, tl.exp((x - m) * inv_t), 0.0), 0)
                     ok = (use_k & (count >= top_k)) | (use_p & (mass >= top_p * z))
                     a = tl.where(ok, mid, a)
+                    cnt_a = tl.where(ok, count, cnt_a)
                     b = tl.where(ok, b, mid)
+                    cnt_b = tl.where(ok, cnt_b, count)
+                    it += 1
                 tau = tl.maximum(tau, a)
             # 4. the Gumbel-max draw over {x >= tau}
             if HAS_SEEDS:
@@ -285,5 +296,6 @@ def fused_sample(
         HAS_BIAS=has_bias,
         BLOCK=block,
         ITERS=iters,
+        num_warps=8,  # one program per row: more warps hide the passes' load and exp latency
     )
     return out
