@@ -19,6 +19,7 @@
 #   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
 #   bf16parity GGUF  bench/bf16_parity.py on the default model's weights
+#   wlsplits   the 1000-request workload with LOOM_TRITON_SPLITS=1, 2, 4
 #   defaults   8B and SmolLM2 batch 1 with the default backends; wl8bfi: the 1000-request workload
 #              with FlashInfer decode; smol256: SmolLM2's 256-request workload; structured8bx: the
 #              8B-body structured figures, xgrammar only
@@ -27,9 +28,10 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
-# Next session's plan (carry .whl .whl2 .tok; .whl/fi-jit.txz spares FlashInfer's JIT builds):
-#   call 1: quicktests, b1lite, tritondot, sampling, structured, structuredproc, pyspy
-#   call 2: wl8b, wltriton, wlfp8, kprof512, structured8b, sampling8b
+# Next session's plan (carry .whl .whl2 .tok; .whl/fi-jit.txz spares FlashInfer's JIT builds;
+# .whl2 now has pyzmq for --engine-backend process):
+#   call 1: quick4, wlsplits (Triton decode splits at scale), wl8bfi (FlashInfer decode, same run)
+#   call 2: sampling, sampling8b2 (after any sampling-kernel change), structured, structured8b
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
 section=${2:?usage: bench/h200_more.sh OUTDIR SECTION}
@@ -168,6 +170,12 @@ defaults)
   # the defaults as they now are (FlashInfer prefill + Triton decode on CUDA)
   latency "8b-b1-default" --model $L8 --batch-size 1 --input-len 128 --output-len 256
   offline "smol-b1-default" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
+  ;;
+wlsplits)
+  # Triton decode at scale with fewer KV splits (the default splits 8 ways above batch 4)
+  for n in 1 2 4; do
+    LOOM_TRITON_SPLITS=$n offline "8b-1000-random-splits$n" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
+  done
   ;;
 wl8bfi)
   # the 1000-request workload with FlashInfer decode too (the default before session 4)
