@@ -323,3 +323,32 @@ def test_structural_tag(gengine):
     m = re.fullmatch(r"<function=get_weather>(.*)</function>", text, re.S)
     assert m, text
     _validate(m.group(1), schema)
+
+
+def test_waiting_for_a_compile_is_not_counted_as_decode_time():
+    """A request parked in the grammar queue while nothing else runs: the scheduler's idle
+    waits go to ``time_grammar_wait_s``, not to the decode time that benchmarks divide by."""
+    import time
+
+    from loom.bench.offline import step_profile
+    from loom.constrained.xgrammar_backend import XGrammarBackend
+
+    class SlowCompile(XGrammarBackend):
+        def compile(self, kind, text):
+            time.sleep(0.5)
+            return super().compile(kind, text)
+
+    plugins.register("grammar_backend", "slow_for_test", SlowCompile)
+    try:
+        with loom.Engine(grammar_backend="slow_for_test", max_total_tokens=4096) as e:
+            before = dict(e.get_server_info())
+            out = e.generate(
+                input_ids=chat_ids(e, "Give me a JSON object."),
+                sampling_params={**FREE, "max_new_tokens": 4, "regex": "[a-z]{4}"},
+            )
+            p = step_profile(before, e.get_server_info())
+    finally:
+        plugins.unregister("grammar_backend", "slow_for_test")
+    assert re.fullmatch("[a-z]{1,4}", out["text"])
+    assert p["time_grammar_wait_s"] > 0.2  # the scheduler's own compile, waited for in the queue
+    assert p["time_decode_s"] < p["time_grammar_wait_s"]

@@ -112,6 +112,7 @@ _STEP_KEYS = (
     "time_prefill_s",
     "time_decode_s",
     "time_device_wait_s",
+    "time_grammar_wait_s",
 )
 
 

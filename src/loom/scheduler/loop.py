@@ -63,6 +63,7 @@ def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
         "time_prefill_s": sched.stats.time_prefill_s,
         "time_decode_s": sched.stats.time_decode_s,
         "time_device_wait_s": sched.stats.time_device_wait_s,
+        "time_grammar_wait_s": sched.stats.time_grammar_wait_s,
     }
 
 

@@ -152,6 +152,7 @@ class SchedulerStats:
     time_prefill_s: float = 0.0
     time_decode_s: float = 0.0
     time_device_wait_s: float = 0.0
+    time_grammar_wait_s: float = 0.0  # idle steps waiting only for grammar compiles
 
 
 class Scheduler:
@@ -365,8 +366,9 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         t = time.perf_counter()
         prefills = self.stats.num_prefill_batches
+        waited = self.stats.time_grammar_wait_s
         outputs = self._step()
-        dt = time.perf_counter() - t
+        dt = time.perf_counter() - t - (self.stats.time_grammar_wait_s - waited)
         if self.stats.num_prefill_batches != prefills:
             self.stats.time_prefill_s += dt
         else:
@@ -412,7 +414,9 @@ class Scheduler:
             # Only compiles are pending: wait a little for one instead of spinning.
             from concurrent.futures import FIRST_COMPLETED, wait
 
+            t = time.perf_counter()
             wait([r.grammar_future for r in self.grammar_queue], 0.005, FIRST_COMPLETED)
+            self.stats.time_grammar_wait_s += time.perf_counter() - t
         return outputs
 
     def _mixed_decode_items(self) -> list[_ExtendItem]:
