@@ -98,18 +98,22 @@ if HAS_TRITON:
                 x = tl.load(base + bc, mask=bmask, other=0.0)
                 tl.store(base + bc, x + bv, mask=bmask)
             tl.debug_barrier()
+        # Every pass keeps per-lane partials ([BLOCK] vectors: no cross-thread work inside the
+        # loop) and reduces them once at its end.
         # 1. maximum, its first index, smallest finite logit
-        m = -float("inf")
-        lo = float("inf")
-        best = 0
+        m_vec = tl.full([BLOCK], -float("inf"), tl.float32)
+        i_vec = tl.zeros([BLOCK], tl.int32)
+        lo_vec = tl.full([BLOCK], float("inf"), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
-            bm = tl.max(x, 0)
-            bi = tl.min(tl.where(x == bm, cols, V), 0)
-            best = tl.where(bm > m, bi, best)
-            m = tl.maximum(m, bm)
-            lo = tl.minimum(lo, tl.min(tl.where(x > -float("inf"), x, float("inf")), 0))
+            up = x > m_vec  # strict: a lane keeps its first maximum
+            i_vec = tl.where(up, cols, i_vec)
+            m_vec = tl.where(up, x, m_vec)
+            lo_vec = tl.minimum(lo_vec, tl.where(x > -float("inf"), x, float("inf")))
+        m = tl.max(m_vec, 0)
+        best = tl.min(tl.where(m_vec == m, i_vec, V), 0)
+        lo = tl.min(lo_vec, 0)
         greedy = tl.load(Params + 4 * stride_p + row)
         if greedy == 0.0:
             temp = tl.load(Params + row)
@@ -118,11 +122,12 @@ if HAS_TRITON:
             min_p = tl.load(Params + 3 * stride_p + row)
             inv_t = 1.0 / temp
             # 2. the normaliser
-            z = 0.0
+            z_vec = tl.zeros([BLOCK], tl.float32)
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
-                z += tl.sum(tl.exp((x - m) * inv_t), 0)
+                z_vec += tl.exp((x - m) * inv_t)
+            z = tl.sum(z_vec, 0)
             # 3. the cut
             tau = lo
             if min_p > 0.0:
@@ -141,14 +146,16 @@ if HAS_TRITON:
                 it = 0
                 while (it < ITERS) & (cnt_a - cnt_b > 1.0):
                     mid = 0.5 * (a + b)
-                    count = 0.0
-                    mass = 0.0
+                    c_vec = tl.zeros([BLOCK], tl.float32)
+                    s_vec = tl.zeros([BLOCK], tl.float32)
                     for start in range(0, V, BLOCK):
                         cols = start + offs
                         x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
                         keep = x >= mid
-                        count += tl.sum(keep.to(tl.float32), 0)
-                        mass += tl.sum(tl.where(keep, tl.exp((x - m) * inv_t), 0.0), 0)
+                        c_vec += keep.to(tl.float32)
+                        s_vec += tl.where(keep, tl.exp((x - m) * inv_t), 0.0)
+                    count = tl.sum(c_vec, 0)
+                    mass = tl.sum(s_vec, 0)
                     ok = (use_k & (count >= top_k)) | (use_p & (mass >= top_p * z))
                     a = tl.where(ok, mid, a)
                     cnt_a = tl.where(ok, count, cnt_a)
@@ -161,18 +168,19 @@ if HAS_TRITON:
                 seed = tl.load(Seeds + row)
             else:
                 seed = base_seed + row
-            top = -float("inf")
-            best = 0
+            t_vec = tl.full([BLOCK], -float("inf"), tl.float32)
+            j_vec = tl.zeros([BLOCK], tl.int32)
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
                 u = tl.rand(seed, cols)
                 g = -tl.log(-tl.log(u))
                 score = tl.where(x >= tau, (x - m) * inv_t + g, -float("inf"))
-                bs_ = tl.max(score, 0)
-                bi = tl.min(tl.where(score == bs_, cols, V), 0)
-                best = tl.where(bs_ > top, bi, best)
-                top = tl.maximum(top, bs_)
+                up = score > t_vec
+                j_vec = tl.where(up, cols, j_vec)
+                t_vec = tl.where(up, score, t_vec)
+            top = tl.max(t_vec, 0)
+            best = tl.min(tl.where(t_vec == top, j_vec, V), 0)
         tl.store(Out + row, best)
         if HAS_PEN:
             if s >= 0:  # count the token drawn (one state row per batch row)
