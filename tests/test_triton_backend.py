@@ -20,8 +20,9 @@ def tiny_dir(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("backend", ["triton", "flash_attention"])
-def test_greedy_equals_torch_native(tiny_dir, backend):
+def _reference_run(tiny_dir):
+    """Three prompts, greedy parameters, engine arguments (fp32, prompts prefilled in chunks of
+    16, pages of 4) and torch_native's tokens for them."""
     prompts = [
         torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for n in (3, 17, 40)
@@ -37,6 +38,12 @@ def test_greedy_equals_torch_native(tiny_dir, backend):
     )
     with loom.Engine(attention_backend="torch_native", **kw) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    return prompts, params, kw, want
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attention"])
+def test_greedy_equals_torch_native(tiny_dir, backend):
+    prompts, params, kw, want = _reference_run(tiny_dir)
     with loom.Engine(attention_backend=backend, **kw) as e:
         assert e.get_server_info()["attention_backend"] == backend
         got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
@@ -49,21 +56,7 @@ def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill
     run on one backend and decode on the other, over the same KV pool."""
     from loom.layers.attention.hybrid import HybridAttnBackend
 
-    prompts = [
-        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        for n in (3, 17, 40)
-    ]
-    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    kw = dict(
-        model=tiny_dir,
-        skip_tokenizer_init=True,
-        max_total_tokens=1024,
-        dtype="float32",
-        chunked_prefill_size=16,
-        page_size=4,
-    )
-    with loom.Engine(attention_backend="torch_native", **kw) as e:
-        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    prompts, params, kw, want = _reference_run(tiny_dir)
     # (eager decode on CUDA too: a replayed graph would not pass through the counters below)
     kw.update(
         prefill_attention_backend=prefill, decode_attention_backend=decode, disable_cuda_graph=True
