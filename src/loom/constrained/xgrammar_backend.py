@@ -8,11 +8,14 @@ schema's unless it says ``additionalProperties``). EBNF is XGrammar's GBNF diale
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from loom.constrained.base import GrammarBackend, GrammarError, GrammarMatcher
+
+_HALF_CPUS = max(1, (os.cpu_count() or 2) // 2)
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -45,7 +48,7 @@ class XGrammarBackend(GrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=int(options.get("max_threads", 4)))
-        self._batch = None
+        self._batch: dict[int, Any] = {}  # thread count -> xgr.BatchGrammarMatcher
 
     def compile(self, kind: str, text: str) -> Any:
         c = self.compiler
@@ -66,10 +69,17 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
     def fill_vocab_masks(self, matchers, mask, rows) -> None:
+        """One call into XGrammar's batch filler (no Python per row). It runs on one thread below
+        64 rows: its worker threads cost a fixed ~70 us a call here even at root states, and
+        1.8 ms against 68 us single-threaded for ~16 rows mid-generation (2 threads on this
+        2-core machine; docs/benchmarks.md), while a row's mask takes ~4 us. Larger batches
+        get one thread per 32 rows, up to half the CPUs."""
         if len(matchers) > 1 and all(isinstance(m, XGrammarMatcher) for m in matchers):
-            if self._batch is None:
-                self._batch = self._xgr.BatchGrammarMatcher()  # C++ threads
-            self._batch.batch_fill_next_token_bitmask([m.m for m in matchers], mask, rows)
+            threads = 1 if len(matchers) < 64 else max(1, min(_HALF_CPUS, len(matchers) // 32))
+            batch = self._batch.get(threads)
+            if batch is None:
+                batch = self._batch[threads] = self._xgr.BatchGrammarMatcher(threads)
+            batch.batch_fill_next_token_bitmask([m.m for m in matchers], mask, rows)
         else:
             super().fill_vocab_masks(matchers, mask, rows)
 
