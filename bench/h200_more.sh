@@ -30,8 +30,10 @@
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
 # Next session's plan (carry .whl .whl2 .tok; .whl/fi-jit.txz spares FlashInfer's JIT builds;
 # .whl2 now has pyzmq for --engine-backend process):
-#   call 1: quick4, wlsplits (Triton decode splits at scale), wl8bfi (FlashInfer decode, same run)
-#   call 2: sampling, sampling8b2 (after any sampling-kernel change), structured, structured8b
+#   call 1: quick4 + the fp8 FlashInfer test (tests/gpu -k fp8), wlfp8 (FlashInfer over an fp8
+#           KV cache), ficache (keep the fp8 modules it JIT-compiled)
+#   call 2: wlsplits (Triton decode splits at scale), wl8bfi (FlashInfer decode, same run)
+#   call 3: sampling, sampling8b2 (the per-lane sampling kernel), structured, structured8bx
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
 section=${2:?usage: bench/h200_more.sh OUTDIR SECTION}
@@ -121,8 +123,10 @@ sampling8b)
   done
   ;;
 wlfp8)
-  # the 1000-request workload with an fp8 KV cache (Triton attention: FlashInfer here reads
-  # model-dtype caches only)
+  # the 1000-request workload with an fp8 KV cache: FlashInfer for prefill and decode (a 16-bit
+  # query over fp8 K/V; its fp8 modules JIT-compile on first use: run ficache after), then the
+  # default backends
+  offline "8b-1000-random-fp8kv-fi" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --attention-backend flashinfer
   offline "8b-1000-random-fp8kv" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
   ;;
 wltriton)
@@ -158,7 +162,7 @@ quicktests)
   ;;
 quick4)
   # session 4's GPU tests: fused penalties in the sampling kernel, hybrid backends, graphs
-  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "hybrid or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
 sampling8b2)

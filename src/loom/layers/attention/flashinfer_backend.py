@@ -8,7 +8,8 @@ FlashInfer plans on the host (it reads the KV lengths to split work), so this ba
 ``plans_on_host``: the CUDA graph runner calls ``init_forward_metadata`` outside the graph, before
 capture and before every replay, and the graph holds only the kernels. Each captured batch size
 has its own decode wrapper over fixed index buffers, as FlashInfer's CUDA-graph mode requires.
-FlashInfer has no fp32 kernels: the backend accepts fp16 and bf16 models only.
+FlashInfer has no fp32 kernels: the backend accepts fp16 and bf16 models only, with a KV cache
+of the model's dtype or ``fp8_e4m3`` (``--kv-cache-dtype``; a 16-bit query over fp8 K/V).
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"the flashinfer attention backend supports head_dim {_HEAD_DIMS}, "
                 f"not {ctx.head_dim}"
             )
-        if ctx.kv_pool is not None and ctx.kv_pool.dtype != ctx.dtype:
+        self.kv_dtype = ctx.kv_pool.dtype if ctx.kv_pool is not None else ctx.dtype
+        if self.kv_dtype not in (ctx.dtype, torch.float8_e4m3fn):
             raise ValueError(
-                f"the flashinfer attention backend here reads a KV cache of the model's dtype "
-                f"only, not {ctx.kv_pool.dtype} (--kv-cache-dtype): use --attention-backend "
+                f"the flashinfer attention backend reads a KV cache of the model's dtype or "
+                f"fp8_e4m3, not {self.kv_dtype} (--kv-cache-dtype): use --attention-backend "
                 "triton"
             )
         if not self.supports_dtype(ctx.dtype):
@@ -134,7 +136,9 @@ class FlashInferAttnBackend(AttentionBackend):
         lens_cpu = list(batch.seq_lens_cpu)
         indptr = torch.zeros(bs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(lens_cpu, dtype=torch.int32), 0, out=indptr[1:])
-        common = dict(q_data_type=ctx.dtype, kv_data_type=ctx.dtype)
+        # fp8_e4m3 caches: FlashInfer's kernels take a 16-bit query over fp8 K/V (stored
+        # unscaled, so the default scales of 1 apply)
+        common = dict(q_data_type=ctx.dtype, kv_data_type=self.kv_dtype)
         if batch.is_decode:
             graph_bs = getattr(batch, "graph_bs", None)
             wrapper = self.decode if graph_bs is None else self.graph_wrappers[graph_bs]
