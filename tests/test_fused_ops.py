@@ -37,10 +37,24 @@ def test_add_rmsnorm(dtype, with_residual):
         torch.testing.assert_close((layer[0] if with_residual else layer), want)
 
 
+# (q heads, k heads, tokens): one head per program (few tokens), then groups of 2 and of 3 heads
+# (a group size that is not a power of two: its tile is masked)
+_ROTARY_SHAPES = [(4, 2, 9), (4, 2, 80), (9, 3, 70)]
+
+
+def test_rotary_heads_per_program():
+    assert fused_ops.rotary_heads_per_program(1, 32, 8) == 1  # decode: one head a program
+    assert fused_ops.rotary_heads_per_program(8192, 32, 8) == 8
+    assert fused_ops.rotary_heads_per_program(8192, 9, 3) == 3
+    assert fused_ops.rotary_heads_per_program(100, 28, 4) == 4
+    assert fused_ops.rotary_heads_per_program(100, 40, 40) == 8
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_inplace_on_qkv_slices(dtype):
+@pytest.mark.parametrize("hq,hk,t", _ROTARY_SHAPES)
+def test_rotary_inplace_on_qkv_slices(dtype, hq, hk, t):
     torch.manual_seed(0)
-    head_dim, hq, hk, t = 32, 4, 2, 9
+    head_dim = 32
     rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0).to(DEVICE)
     qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEVICE, dtype=dtype)
     q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hk) * head_dim]
@@ -55,11 +69,12 @@ def test_rotary_inplace_on_qkv_slices(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_store_writes_kv_cache(dtype):
+@pytest.mark.parametrize("hq,hk,t", _ROTARY_SHAPES)
+def test_rotary_store_writes_kv_cache(dtype, hq, hk, t):
     """The fused KV store: q rotated in place, rotated k and plain v land in the cache rows at
     ``loc`` (other rows untouched), k itself is left alone."""
     torch.manual_seed(0)
-    head_dim, hq, hk, t, slots = 32, 4, 2, 5, 16
+    head_dim, slots = 32, 2 * t + 6
     rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0).to(DEVICE)
     qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEVICE, dtype=dtype)
     q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
@@ -70,7 +85,7 @@ def test_rotary_store_writes_kv_cache(dtype):
     k_cache = torch.randn(slots, hk, head_dim, device=DEVICE, dtype=dtype)
     v_cache = torch.randn(slots, hk, head_dim, device=DEVICE, dtype=dtype)
     k_old, v_old = k_cache.clone(), v_cache.clone()
-    loc = torch.tensor([3, 9, 0, 15, 7], device=DEVICE)
+    loc = torch.randperm(slots, generator=torch.Generator().manual_seed(t))[:t].to(DEVICE)
     assert rope.can_store(q, k_cache) == q.is_cuda
     fused_ops.rotary_inplace(q, k, cos, sin, head_dim, v, k_cache, v_cache, loc)
     tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
