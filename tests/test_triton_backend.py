@@ -88,6 +88,46 @@ def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill
     assert calls["prefill"] >= 4 and calls["decode"] >= 7  # 60 prompt tokens in chunks of 16
 
 
+def test_auto_decode_switches_backend_above_a_batch_size(tiny_dir, monkeypatch):
+    """`auto` decode with a backend for large batches (on CUDA: Triton up to batch 256,
+    FlashInfer above), here on CPU with Triton up to batch 2 and torch_native above: each decode
+    step goes to the backend its batch size picks, as the batch shrinks, and the tokens equal
+    torch_native's alone."""
+    import loom.model_executor.model_runner as mr
+
+    prompts, _, kw, _ = _reference_run(tiny_dir)
+    prompts = prompts + [prompts[1][:9]]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (3, 5, 7, 9)]
+    with loom.Engine(attention_backend="torch_native", **kw) as e:
+        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    monkeypatch.setitem(mr._AUTO_BACKENDS, ("cpu", "decode"), ["triton"])
+    monkeypatch.setattr(mr, "_AUTO_DECODE_LARGE", {"cpu": ("torch_native", 2)})
+    with loom.Engine(**kw) as e:
+        info = e.get_server_info()
+        assert info["attention_backend"] == (
+            "torch_native prefill + triton decode (torch_native above batch 2)"
+        )
+        assert info["decode_attention_backend"] == "triton (torch_native above batch 2)"
+        hybrid = e.runner.attn_backend
+        seen = []
+        for inner in (hybrid.decode_backend, hybrid.decode_large):
+            orig = inner.init_forward_metadata
+
+            def counted(batch, _orig=orig, _name=type(inner).__name__):
+                if batch.is_decode:
+                    seen.append((_name, batch.batch_size))
+                return _orig(batch)
+
+            inner.init_forward_metadata = counted
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+        e.scheduler.check_kv_balance()
+    assert got == want
+    sizes = {bs for _, bs in seen}
+    assert {3, 4} & sizes and {1, 2} & sizes, seen
+    for name, bs in seen:
+        assert name == ("TorchNativeAttnBackend" if bs > 2 else "TritonAttnBackend"), seen
+
+
 def test_same_backend_for_both_phases_is_one_instance(tiny_dir):
     with loom.Engine(
         model=tiny_dir,

@@ -69,7 +69,7 @@ class CudaGraphRunner:
         return batch
 
     def _capture(self, bs: int) -> None:
-        host_plan = self.backend.plans_on_host
+        host_plan = self.backend.plans_on_host_for(bs)
         if host_plan:
             self.backend.graph_wrapper(bs, self.max_bs * self.runner.model_config.context_len)
         for _ in range(2):  # compile kernels and settle the allocator outside the graph
@@ -110,7 +110,7 @@ class CudaGraphRunner:
             self.seq_lens[bs:gbs].fill_(1)
             self.req_pool_indices[bs:gbs].zero_()
             self.out_cache_loc[bs:gbs].zero_()
-        if self.backend.plans_on_host:
+        if self.backend.plans_on_host_for(gbs):
             if seq_lens_cpu is None:
                 raise ValueError(f"{type(self.backend).__name__} needs the host's seq_lens")
             self._plan(gbs, list(seq_lens_cpu) + [1] * (gbs - bs))

@@ -62,6 +62,10 @@ class AttentionBackend(ABC):
         """Whether this backend has kernels for a model in ``dtype``."""
         return True
 
+    def plans_on_host_for(self, bs: int) -> bool:
+        """Whether the decode graph of batch size ``bs`` is planned on the host."""
+        return self.plans_on_host
+
     def graph_wrapper(self, bs: int, max_kv_tokens: int) -> Any:  # noqa: B027
         """``plans_on_host`` backends: set up the fixed buffers of the graph for ``bs``."""
 
