@@ -18,7 +18,8 @@
 #   quicktests the GPU tests of the newest kernels
 #   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
-#   bf16parity GGUF  bench/bf16_parity.py on the default model's weights
+#   bf16parity [GGUF]  bench/bf16_parity.py on the default model's weights (default: the one
+#              ggufpart joined from two calls' carried halves)
 #   wlsplits   the 1000-request workload with LOOM_TRITON_SPLITS=1, 2, 4
 #   defaults   8B and SmolLM2 batch 1 with the default backends; wl8bfi: the 1000-request workload
 #              with FlashInfer decode; smol256: SmolLM2's 256-request workload; structured8bx: the
@@ -33,7 +34,9 @@
 #   call 1: quick4 + the fp8 FlashInfer test (tests/gpu -k fp8), wlfp8 (FlashInfer over an fp8
 #           KV cache), ficache (keep the fp8 modules it JIT-compiled)
 #   call 2: wlsplits (Triton decode splits at scale), wl8bfi (FlashInfer decode, same run)
-#   call 3: sampling, sampling8b2 (the per-lane sampling kernel), structured, structured8bx
+#   call 3: sampling, sampling8b2 (the per-lane sampling kernel), structured, structured8bx,
+#           ggufpart (carry .gguf/smollm2.gguf.part-00 and .md5)
+#   call 4 (at once, while warm): ggufpart then bf16parity (carry .gguf/smollm2.gguf.part-01)
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
 section=${2:?usage: bench/h200_more.sh OUTDIR SECTION}
@@ -140,9 +143,21 @@ kprofpre)
 kprof512)
   $py bench/gpu_kernel_profile.py $L8 512 800 16 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
   ;;
+ggufpart)
+  # The default model's GGUF (98 MB) exceeds one call's 64 MiB: carry .gguf/smollm2.gguf.part-00
+  # (+ .md5) in one call and .gguf/smollm2.gguf.part-01 in the next, started within the machine's
+  # 30 s idle window; each call keeps its part in /tmp/gguf and the last one joins them.
+  mkdir -p /tmp/gguf && cp .gguf/smollm2.gguf.* /tmp/gguf/ 2>/dev/null
+  if [ -f /tmp/gguf/smollm2.gguf.part-00 ] && [ -f /tmp/gguf/smollm2.gguf.part-01 ]; then
+    cat /tmp/gguf/smollm2.gguf.part-0? > /tmp/gguf/smollm2.gguf
+    echo "gguf joined: $(md5sum /tmp/gguf/smollm2.gguf | cut -d' ' -f1) (want $(cat /tmp/gguf/smollm2.gguf.md5))" | tee -a "$log"
+  else
+    ls /tmp/gguf | tee -a "$log"
+  fi
+  ;;
 bf16parity)
-  # needs the default model's GGUF carried in (98 MB: two calls, see docs/benchmarks.md)
-  $py bench/bf16_parity.py --model "${3:?GGUF path}" --device cuda --result-file "$out/results.jsonl" 2>&1 | tail -3 | tee -a "$log"
+  # the default model's GGUF: a path, or the one ggufpart joined
+  $py bench/bf16_parity.py --model "${3:-/tmp/gguf/smollm2.gguf}" --device cuda --result-file "$out/results.jsonl" 2>&1 | tail -3 | tee -a "$log"
   ;;
 pyspy)
   # where the host's time goes in the host-bound small-model runs (py-spy from .whl2)
