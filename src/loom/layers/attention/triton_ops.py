@@ -66,7 +66,9 @@ def _decode_stage1(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqPoolIdx + b)
-    chunk = tl.cdiv(seq_len, NUM_SPLITS)
+    # Splits cover whole BLOCK_N tiles (the last one may be shorter, trailing ones empty): a
+    # chunk of cdiv(seq_len, NUM_SPLITS) tokens would end each split on a partly masked tile.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
