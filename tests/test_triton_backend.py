@@ -251,3 +251,19 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
             e.scheduler.check_kv_balance()
         assert bool(calls) == fused
     assert runs[True] == runs[False]
+
+
+def test_auto_skips_backends_held_back_for_fp8_caches(tiny_dir, monkeypatch):
+    """`auto` passes over a backend listed in _AUTO_SKIP_FP8_KV when the KV cache is fp8 (on
+    CUDA: FlashInfer's fp8 reads, until measured), and still picks it otherwise; naming it
+    explicitly always works."""
+    import loom.model_executor.model_runner as mr
+
+    monkeypatch.setitem(mr._AUTO_BACKENDS, "cpu", ["triton", "torch_native"])
+    monkeypatch.setattr(mr, "_AUTO_SKIP_FP8_KV", {"triton"})
+    kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=256, dtype="float32")
+    for kv, want in (("auto", "triton"), ("fp8_e4m3", "torch_native")):
+        with loom.Engine(kv_cache_dtype=kv, **kw) as e:
+            assert e.get_server_info()["attention_backend"] == want
+    with loom.Engine(kv_cache_dtype="fp8_e4m3", attention_backend="triton", **kw) as e:
+        assert e.get_server_info()["attention_backend"] == "triton"

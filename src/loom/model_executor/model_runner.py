@@ -12,7 +12,7 @@ import torch
 from loom import plugins
 from loom.distributed import get_tp_size
 from loom.layers.attention.base import AttentionContext
-from loom.mem_cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
+from loom.mem_cache.memory_pool import FP8_DTYPES, KVPool, PageAllocator, ReqToTokenPool
 from loom.model_executor.forward_batch import ForwardBatch, ForwardMode
 from loom.model_loader.base import DeviceConfig, ModelConfig
 from loom.model_loader.model_path import resolve_model_path
@@ -41,6 +41,9 @@ _AUTO_BACKENDS = {
 # FlashInfer's decode ran the 1000-request Llama-3-8B workload (mean batch 461) 8% faster than
 # Triton's, while Triton's was faster at batch 1 (8B) and batch 32 (SmolLM2).
 _AUTO_DECODE_LARGE = {"cuda": ("flashinfer", 256)}
+# Backends that read an fp8 KV cache when named, but that `auto` does not pick for one until
+# that path has been measured on a GPU (FlashInfer's fp8_e4m3 reads, session 4).
+_AUTO_SKIP_FP8_KV = {"flashinfer"}
 # On the H200 the 1000-request Llama-3-8B workload ran at 10,017 output tok/s with 1024 running
 # requests against 9,712 with 512 (docs/benchmarks.md): larger batches prefill in larger steps.
 _MAX_AUTO_RUNNING = 1024
@@ -203,10 +206,13 @@ class ModelRunner:
             self.attn_backend = HybridAttnBackend(p_backend, d_backend, large, above)
             self.attention_backend_name = f"{p_name} prefill + {d_name} decode{switch}"
 
+    def _auto_may_pick(self, name: str) -> bool:
+        return not (name in _AUTO_SKIP_FP8_KV and self.kv_dtype in FP8_DTYPES)
+
     def _try_attention_backend(self, name: str, ctx):
         """An instance of ``name`` if it is registered and supports this device, dtype and
         shape; else None."""
-        if name not in set(plugins.names("attention_backend")):
+        if name not in set(plugins.names("attention_backend")) or not self._auto_may_pick(name):
             return None
         cls = plugins.resolve("attention_backend", name)
         if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
@@ -232,7 +238,7 @@ class ModelRunner:
             self.device.type, ["torch_native"]
         )
         for candidate in order:
-            if candidate not in registered:
+            if candidate not in registered or not self._auto_may_pick(candidate):
                 continue
             cls = plugins.resolve("attention_backend", candidate)
             if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
