@@ -128,6 +128,28 @@ def test_cuda_backends_and_graphs_match_torch_native(tiny_dir, backend):
     assert got == want
 
 
+def _flashinfer_runs_and_torch_native(kw, max_new_tokens, kv_dtype=None):
+    """Greedy tokens of five prompts from FlashInfer, eager (False) and with CUDA graphs (True),
+    each run's KV balanced, and torch_native's (eager) with the same engine arguments."""
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
+        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    runs = {}
+    for graphs in (False, True):
+        with loom.Engine(
+            attention_backend="flashinfer", disable_cuda_graph=not graphs, cuda_graph_max_bs=8, **kw
+        ) as e:
+            assert (e.runner.cuda_graph_runner is not None) == graphs
+            if kv_dtype is not None:
+                assert e.runner.kv_pool.dtype == kv_dtype
+            runs[graphs] = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+            e.scheduler.check_kv_balance()
+    return runs, want
+
+
 def test_flashinfer_bf16_graphs_match_torch_native(tmp_path):
     """FlashInfer (bf16 only) with CUDA graphs and host-side planning against torch_native in
     bf16: greedy tokens agree (random weights scaled to give clear winners), KV balances."""
@@ -138,21 +160,8 @@ def test_flashinfer_bf16_graphs_match_torch_native(tmp_path):
     # FlashInfer has kernels for head_dim 64/128/256 only: 256 / 4 heads = 64.
     shape = dict(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4)
     model_dir = save_tiny_llama(tmp_path / "tiny64", **shape)
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
-    params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     kw = _cuda_kw(model_dir, "bfloat16", page_size=16)
-    with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
-        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
-    runs = {}
-    for graphs in (False, True):
-        with loom.Engine(
-            attention_backend="flashinfer", disable_cuda_graph=not graphs, cuda_graph_max_bs=8, **kw
-        ) as e:
-            assert (e.runner.cuda_graph_runner is not None) == graphs
-            runs[graphs] = [
-                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
-            ]
-            e.scheduler.check_kv_balance()
+    runs, want = _flashinfer_runs_and_torch_native(kw, 32)
     # Replaying graphs planned on the host must give exactly the eager tokens (same kernels).
     assert runs[True] == runs[False]
     # Against torch_native in bf16 the first tokens agree; later ones may diverge for good after
@@ -348,20 +357,7 @@ def test_flashinfer_reads_an_fp8_e4m3_kv_cache(tmp_path, kv_dtype):
         with pytest.raises(ValueError, match="fp8_e4m3"):
             loom.Engine(attention_backend="flashinfer", **kw)
         return
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    with loom.Engine(attention_backend="torch_native", disable_cuda_graph=True, **kw) as e:
-        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
-    runs = {}
-    for graphs in (False, True):
-        with loom.Engine(
-            attention_backend="flashinfer", disable_cuda_graph=not graphs, cuda_graph_max_bs=8, **kw
-        ) as e:
-            assert e.runner.kv_pool.dtype == torch.float8_e4m3fn
-            runs[graphs] = [
-                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
-            ]
-            e.scheduler.check_kv_balance()
+    runs, want = _flashinfer_runs_and_torch_native(kw, 24, torch.float8_e4m3fn)
     assert runs[True] == runs[False]
     same = sum(g[:4] == w[:4] for g, w in zip(runs[True], want, strict=True))
     assert same >= 4, (same, runs[True], want)
