@@ -12,6 +12,11 @@ from tests.conftest import save_tiny_llama
 pytest.importorskip("triton")
 
 
+# Tests of `auto`'s choices that patch the CPU's lists (on a GPU machine the engine runs on CUDA,
+# whose lists tests/gpu covers)
+_CPU_AUTO = pytest.mark.skipif(torch.cuda.is_available(), reason="patches the CPU's auto lists")
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     # wide logits (initializer_range): no near-ties for greedy to flip on
@@ -88,6 +93,7 @@ def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill
     assert calls["prefill"] >= 4 and calls["decode"] >= 7  # 60 prompt tokens in chunks of 16
 
 
+@_CPU_AUTO
 def test_auto_decode_switches_backend_above_a_batch_size(tiny_dir, monkeypatch):
     """`auto` decode with a backend for large batches (on CUDA: Triton up to batch 256,
     FlashInfer above), here on CPU with Triton up to batch 2 and torch_native above: each decode
@@ -253,6 +259,7 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
     assert runs[True] == runs[False]
 
 
+@_CPU_AUTO
 def test_auto_skips_backends_held_back_for_fp8_caches(tiny_dir, monkeypatch):
     """`auto` passes over a backend listed in _AUTO_SKIP_FP8_KV when the KV cache is fp8 (on
     CUDA: FlashInfer's fp8 reads, until measured), and still picks it otherwise; naming it
