@@ -225,7 +225,8 @@ class ServerArgs:
     attention_backend: str = field(
         default="auto",
         metadata=_arg(
-            "Attention kernels (auto: picked by device).",
+            "Attention kernels (auto: on CUDA FlashInfer prefill and Triton decode, FlashInfer "
+            "decode above batch 256, Triton alone without FlashInfer; torch_native on CPU).",
             family="attention_backend",
             extra_choices=("auto",),
         ),
