@@ -1002,24 +1002,27 @@ class Scheduler:
                 torch.ones(len(pen), dtype=torch.int32, device=dev),
                 len(pen) == len(params),
             )
-        rows, cols, vals = [], [], []
-        for i, (p, n) in enumerate(zip(params, out_lens, strict=True)):
-            if n < p.min_new_tokens:
-                for t in sorted(self.eos_token_ids | set(p.stop_token_ids)):
-                    rows.append(i)
-                    cols.append(t)
-                    vals.append(float("-inf"))
-            if p.logit_bias:
-                for t, b in p.logit_bias.items():
-                    rows.append(i)
-                    cols.append(t)
-                    vals.append(float(b))
-        if rows:
-            width = logits.shape[-1]
-            flat = torch.tensor([r * width + c for r, c in zip(rows, cols, strict=True)])
+        biases = self._row_biases(params, out_lens, bias_rows)
+        if biases:
+            flat = torch.tensor([i * vocab + t for i, row in biases.items() for t in row])
+            vals = [b for row in biases.values() for b in row.values()]
             v = torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True)
             plan.bias = (flat.to(dev, non_blocking=True), v)
         return plan
+
+    def _row_biases(self, params, out_lens, rows) -> dict[int, dict[int, float]]:
+        """Batch row -> token -> what is added to its logit: ``logit_bias``, and -inf for EOS
+        and ``stop_token_ids`` while fewer than ``min_new_tokens`` have been generated."""
+        out = {}
+        for i in rows:
+            p, row = params[i], {}
+            for t, b in (p.logit_bias or {}).items():
+                row[int(t)] = float(b)
+            if out_lens[i] < p.min_new_tokens:
+                for t in self.eos_token_ids | set(p.stop_token_ids):
+                    row[t] = float("-inf")
+            out[i] = row
+        return out
 
     def _fused_penalties(self, reqs, params, out_lens, pen, bias_rows, dev) -> FusedPenalties:
         """The plan's penalty rows and coefficients and its logit bias (with min_new_tokens'
@@ -1036,14 +1039,8 @@ class Scheduler:
                 coef[1][i] = float(p.presence_penalty)
                 coef[2][i] = float(p.repetition_penalty)
         if bias_rows:
-            bias = [{} for _ in range(bs)]
-            for i in bias_rows:
-                p, row = params[i], bias[i]
-                for t, b in (p.logit_bias or {}).items():
-                    row[int(t)] = float(b)
-                if out_lens[i] < p.min_new_tokens:
-                    for t in self.eos_token_ids | set(p.stop_token_ids):
-                        row[t] = float("-inf")
+            biases = self._row_biases(params, out_lens, bias_rows)
+            bias = [biases.get(i, {}) for i in range(bs)]
         return FusedPenalties.build(state_rows, coef, bias, dev)
 
     def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
