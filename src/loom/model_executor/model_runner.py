@@ -11,7 +11,7 @@ import torch
 
 from loom import plugins
 from loom.distributed import get_tp_size
-from loom.layers.attention.base import AttentionContext
+from loom.layers.attention.base import AttentionBackend, AttentionContext
 from loom.mem_cache.memory_pool import FP8_DTYPES, KVPool, PageAllocator, ReqToTokenPool
 from loom.model_executor.forward_batch import ForwardBatch, ForwardMode
 from loom.model_loader.base import DeviceConfig, ModelConfig
@@ -181,75 +181,64 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
         )
+        built: dict[str, AttentionBackend] = {}  # one instance per name, shared by phases
         prefill = args.prefill_attention_backend or args.attention_backend
         decode = args.decode_attention_backend or args.attention_backend
-        p_backend, p_name = self._build_attention_backend(prefill, "prefill", ctx)
-        if decode == prefill and prefill != "auto":
-            d_backend, d_name = p_backend, p_name
-        else:
-            d_backend, d_name = self._build_attention_backend(decode, "decode", ctx, p_name)
-            if d_name == p_name:
-                d_backend = p_backend
-        large, above = None, None
+        p_name = self._pick_attention_backend(prefill, "prefill", ctx, built)
+        d_name = self._pick_attention_backend(decode, "decode", ctx, built)
+        large, switch = None, ""
         if decode == "auto" and self.device.type in _AUTO_DECODE_LARGE:
             l_name, above = _AUTO_DECODE_LARGE[self.device.type]
-            if l_name != d_name:
-                large = p_backend if l_name == p_name else self._try_attention_backend(l_name, ctx)
-        switch = f" ({l_name} above batch {above})" if large is not None else ""
+            if l_name != d_name and self._try_attention_backend(l_name, "decode", ctx, built):
+                large = (built[l_name], above)
+                switch = f" ({l_name} above batch {above})"
         self.prefill_attention_backend_name = p_name
         self.decode_attention_backend_name = d_name + switch
-        if d_backend is p_backend and large is None:
-            self.attn_backend, self.attention_backend_name = p_backend, p_name
+        if p_name == d_name and large is None:
+            self.attn_backend, self.attention_backend_name = built[p_name], p_name
         else:
             from loom.layers.attention.hybrid import HybridAttnBackend
 
-            self.attn_backend = HybridAttnBackend(p_backend, d_backend, large, above)
+            self.attn_backend = HybridAttnBackend(built[p_name], built[d_name], *(large or ()))
             self.attention_backend_name = f"{p_name} prefill + {d_name} decode{switch}"
 
-    def _auto_may_pick(self, name: str) -> bool:
-        return not (name in _AUTO_SKIP_FP8_KV and self.kv_dtype in FP8_DTYPES)
-
-    def _try_attention_backend(self, name: str, ctx):
-        """An instance of ``name`` if it is registered and supports this device, dtype and
-        shape; else None."""
-        if name not in set(plugins.names("attention_backend")) or not self._auto_may_pick(name):
-            return None
-        cls = plugins.resolve("attention_backend", name)
-        if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
-            return None
-        try:
-            return cls(ctx)
-        except ValueError as e:
-            logger.info("attention backend %s skipped for large decode batches: %s", name, e)
-            return None
-
-    def _build_attention_backend(self, name: str, phase: str, ctx, reuse: str | None = None):
-        """The backend ``name`` for one phase; ``auto`` takes the first in the device's order
-        for that phase that is registered and supports the device, dtype and shape (a backend's
-        constructor raises ValueError for shapes it lacks). ``reuse``: a name already built for
-        the other phase (its instance is shared, not built twice)."""
+    def _pick_attention_backend(self, name: str, phase: str, ctx, built: dict) -> str:
+        """Build ``name`` (into ``built``) for one phase; ``auto`` takes the first in the
+        device's order for that phase that :meth:`_try_attention_backend` can build."""
         if name != "auto":
-            cls = plugins.resolve("attention_backend", name)
-            if not cls.is_supported(self.device):
-                raise ValueError(f"attention backend {name!r} does not support {self.device}")
-            return (None if name == reuse else cls(ctx)), name
-        registered = set(plugins.names("attention_backend"))
+            if name not in built:
+                cls = plugins.resolve("attention_backend", name)
+                if not cls.is_supported(self.device):
+                    raise ValueError(f"attention backend {name!r} does not support {self.device}")
+                built[name] = cls(ctx)
+            return name
         order = _AUTO_BACKENDS.get((self.device.type, phase)) or _AUTO_BACKENDS.get(
             self.device.type, ["torch_native"]
         )
         for candidate in order:
-            if candidate not in registered or not self._auto_may_pick(candidate):
-                continue
-            cls = plugins.resolve("attention_backend", candidate)
-            if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
-                continue
-            if candidate == reuse:
-                return None, candidate
-            try:
-                return cls(ctx), candidate
-            except ValueError as e:
-                logger.info("attention backend %s skipped for %s: %s", candidate, phase, e)
+            if self._try_attention_backend(candidate, phase, ctx, built):
+                return candidate
         raise ValueError(f"no attention backend supports {self.device} / {self.dtype}")
+
+    def _try_attention_backend(self, name: str, phase: str, ctx, built: dict) -> bool:
+        """Whether ``name`` can serve here, for ``auto``: registered, not held back (fp8 caches:
+        ``_AUTO_SKIP_FP8_KV``), supporting the device and dtype, and constructed (a backend's
+        constructor raises ValueError for shapes it lacks) into ``built``."""
+        if name in built:
+            return True
+        if name not in set(plugins.names("attention_backend")):
+            return False
+        if name in _AUTO_SKIP_FP8_KV and self.kv_dtype in FP8_DTYPES:
+            return False
+        cls = plugins.resolve("attention_backend", name)
+        if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
+            return False
+        try:
+            built[name] = cls(ctx)
+        except ValueError as e:
+            logger.info("attention backend %s skipped for %s: %s", name, phase, e)
+            return False
+        return True
 
     # ---- forward --------------------------------------------------------------------------
 
