@@ -72,6 +72,15 @@ if importlib.util.find_spec("triton") is not None:
     import triton.language as tl
 
     @triton.jit
+    def penalised(x, counts, in_prompt, freq, pres, rep):
+        """The penalties on a block of fp32 logits: ``counts`` of output tokens (fp32),
+        ``in_prompt`` flags; frequency and presence first, then repetition (HF's rule) on
+        tokens seen in the prompt or the output. Shared with the fused sampling kernel."""
+        seen_out = counts > 0
+        x = x - freq * counts - pres * seen_out.to(tl.float32)
+        return tl.where(seen_out | (in_prompt != 0), tl.where(x > 0, x / rep, x * rep), x)
+
+    @triton.jit
     def _penalties_kernel(
         Logits,
         BatchRows,
@@ -97,13 +106,7 @@ if importlib.util.find_spec("triton") is not None:
         x = tl.load(Logits + b * stride_l + cols, mask=mask, other=0.0)
         c = tl.load(Counts + s * stride_c + cols, mask=mask, other=0).to(tl.float32)
         p = tl.load(InPrompt + s * stride_p + cols, mask=mask, other=0)
-        f = tl.load(Freq + i)
-        pr = tl.load(Pres + i)
-        r = tl.load(Rep + i)
-        seen_out = c > 0
-        x = x - f * c - pr * seen_out.to(tl.float32)
-        seen = seen_out | (p != 0)
-        x = tl.where(seen, tl.where(x > 0, x / r, x * r), x)
+        x = penalised(x, c, p, tl.load(Freq + i), tl.load(Pres + i), tl.load(Rep + i))
         tl.store(Logits + b * stride_l + cols, x, mask=mask)
 
 

@@ -38,6 +38,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from loom.sampling.penalties import penalised
+
     @triton.jit
     def _sample_kernel(
         Logits,
@@ -82,10 +84,7 @@ if HAS_TRITON:
                     x = tl.load(base + cols, mask=mask, other=0.0)
                     c = tl.load(Counts + s * stride_c + cols, mask=mask, other=0).to(tl.float32)
                     ip = tl.load(InPrompt + s * stride_ip + cols, mask=mask, other=0)
-                    seen_out = c > 0
-                    x = x - f * c - pr * seen_out.to(tl.float32)
-                    x = tl.where(seen_out | (ip != 0), tl.where(x > 0, x / r, x * r), x)
-                    tl.store(base + cols, x, mask=mask)
+                    tl.store(base + cols, penalised(x, c, ip, f, pr, r), mask=mask)
                 tl.debug_barrier()
         if HAS_BIAS:
             b0 = tl.load(BiasPtr + row)
