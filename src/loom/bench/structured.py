@@ -82,12 +82,9 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
             seen.setdefault(ps["json_schema"], (p, {**ps, "max_new_tokens": 2}))
         warm = list(seen.values())
         engine.generate(input_ids=[p for p, _ in warm], sampling_params=[ps for _, ps in warm])
+        free_warm = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
         for n in sorted({ns.batch_size, 1}):
-            for extra in ({}, {"json_schema": None, "ignore_eos": True}):
-                warm_params = [
-                    {k: v for k, v in {**ps, "max_new_tokens": 4, **extra}.items() if v is not None}
-                    for ps in params[:n]
-                ]
+            for warm_params in ([{**ps, "max_new_tokens": 4} for ps in params[:n]], free_warm):
                 engine.generate(input_ids=prompts[:n], sampling_params=warm_params)
         engine.flush_cache()
 

@@ -10,6 +10,7 @@ the PyTorch paths (which round after every op) by one bf16 ulp.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -175,8 +176,11 @@ def rotary_heads_per_program(num_tokens: int, num_q: int, num_k: int) -> int:
     more tokens the largest divisor of both head counts up to 8 (Llama-3-8B: 8, i.e. 5 programs
     a token instead of 40; on the H200 the one-head programs took 205 us a layer for an
     8,192-token prefill, ~4x the time its bytes need)."""
-    if num_tokens < 64:
-        return 1
+    return 1 if num_tokens < 64 else _head_group(num_q, num_k)
+
+
+@functools.cache
+def _head_group(num_q: int, num_k: int) -> int:
     g = math.gcd(num_q, num_k)
     return max(d for d in range(1, min(g, 8) + 1) if g % d == 0)
 
