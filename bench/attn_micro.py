@@ -1,6 +1,7 @@
-"""Decode attention alone, Llama-3-8B's shape (32 query heads, 8 KV heads, head_dim 128, bf16):
-Loom's Triton kernel (splits, tl.dot variant) against FlashInfer's decode (when it imports),
-timed as CUDA graphs, with the bytes of KV read per second.
+"""Decode attention alone, Llama-3-8B's shape (32 query heads, 8 KV heads, head_dim 128, a bf16
+query over a bf16 or fp8_e4m3 cache): Loom's Triton kernel (tl.dot variant, 1-16 KV splits)
+against FlashInfer's decode (when it imports), timed as CUDA graphs, with the bytes of KV read
+per second.
 
 python bench/attn_micro.py [RESULTS.jsonl]
 """
@@ -18,10 +19,10 @@ from loom.layers.attention.triton_ops import decode_attention
 HQ, HK, D = 32, 8, 128
 
 
-def setup(bs: int, ctx: int):
+def setup(bs: int, ctx: int, kv_dtype=torch.bfloat16):
     slots = bs * ctx + 1
-    k = torch.randn(slots, HK, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    k = torch.randn(slots, HK, D, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    v = torch.randn(slots, HK, D, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     perm = torch.randperm(slots - 1, device="cuda") + 1
     table = perm.view(bs, ctx).contiguous()
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -30,8 +31,8 @@ def setup(bs: int, ctx: int):
     return q, k, v, table, rows, lens
 
 
-def triton_time(bs, ctx, splits, dot):
-    q, k, v, table, rows, lens = setup(bs, ctx)
+def triton_time(bs, ctx, splits, dot, kv_dtype=torch.bfloat16):
+    q, k, v, table, rows, lens = setup(bs, ctx, kv_dtype)
     mid_o = torch.empty(bs, HQ, splits, D, device="cuda", dtype=torch.float32)
     mid_l = torch.empty(bs, HQ, splits, device="cuda", dtype=torch.float32)
     out = torch.empty_like(q)
@@ -43,10 +44,10 @@ def triton_time(bs, ctx, splits, dot):
     return do_bench_cudagraph(fn, rep=50)
 
 
-def flashinfer_time(bs, ctx):
+def flashinfer_time(bs, ctx, kv_dtype=torch.bfloat16):
     import flashinfer
 
-    q, k, v, table, rows, lens = setup(bs, ctx)
+    q, k, v, table, rows, lens = setup(bs, ctx, kv_dtype)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     indptr = torch.arange(bs + 1, dtype=torch.int32) * ctx
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -67,7 +68,7 @@ def flashinfer_time(bs, ctx):
         D,
         1,
         q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
+        kv_data_type=kv_dtype,
     )
     kv = (k.view(-1, 1, HK, D), v.view(-1, 1, HK, D))
 
@@ -78,7 +79,7 @@ def flashinfer_time(bs, ctx):
     return do_bench_cudagraph(fn, rep=50)
 
 
-SHAPES = [(1, 256), (1, 1024), (8, 1024), (64, 1024), (256, 1024), (512, 850)]
+SHAPES = [(1, 1024), (64, 1024), (256, 900), (512, 900), (1000, 700)]
 
 
 def main() -> None:
@@ -108,25 +109,25 @@ def run_row(bs: int, ctx: int, results: str | None) -> None:
         have_fi = True
     except Exception:  # noqa: BLE001
         have_fi = False
-    kv_bytes = bs * ctx * HK * D * 2 * 2
     times: dict = {}
-    variants = [("triton-8", 8, False), ("triton-16", 16, False), ("triton-32", 32, False)]
-    variants += [("triton-dot-8", 8, True), ("triton-dot-16", 16, True)]
-    for name, splits, dot in variants:
-        try:
-            times[name] = triton_time(bs, ctx, splits, dot) * 1000
-        except Exception as e:  # noqa: BLE001
-            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    kv_kinds = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    for kind, kv_dtype in kv_kinds.items():
+        for splits in (1, 2, 4, 8, 16):
+            name = f"{kind}-triton-{splits}"
+            try:
+                times[name] = triton_time(bs, ctx, splits, True, kv_dtype) * 1000
+            except Exception as e:  # noqa: BLE001
+                times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
     if have_fi:
-        try:
-            times["flashinfer"] = flashinfer_time(bs, ctx) * 1000
-        except Exception as e:  # noqa: BLE001
-            times["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:80]}"
-    cells = "  ".join(
-        f"{k} {v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else f"{k} {v}"
-        for k, v in times.items()
-    )
-    print(f"bs {bs:4d} ctx {ctx:5d}: {cells}", flush=True)
+        for kind, kv_dtype in kv_kinds.items():
+            try:
+                times[f"{kind}-flashinfer"] = flashinfer_time(bs, ctx, kv_dtype) * 1000
+            except Exception as e:  # noqa: BLE001
+                times[f"{kind}-flashinfer"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    for k, v in times.items():
+        kv_bytes = bs * ctx * HK * D * 2 * (1 if k.startswith("fp8") else 2)
+        cell = f"{v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else v
+        print(f"bs {bs:4d} ctx {ctx:5d} {k:18s} {cell}", flush=True)
     if results:
         with open(results, "a") as f:
             f.write(json.dumps({"bench": "attn_micro", "bs": bs, "ctx": ctx, **times}) + "\n")

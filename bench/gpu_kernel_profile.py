@@ -1,11 +1,14 @@
 """Which GPU kernels a workload runs and how long each takes (torch profiler / CUPTI).
 
 python bench/gpu_kernel_profile.py CONFIG.json BATCH INPUT_LEN OUTPUT_LEN [engine kwargs as k=v]
+    [--decode-only]
 
 Dummy weights, bf16. Runs the batch once to warm up, then again under the profiler, and prints
 the kernels grouped by name (total device time, count, mean) per decode step and the sum, next
 to the measured wall time per step, so the gap (launch gaps, host time) is visible. Kernels
-inside CUDA graph replays are recorded too.
+inside CUDA graph replays are recorded too. ``--decode-only`` also profiles the batch with one
+output token (its prefill and first sample) and subtracts it, kernel by kernel, so what is left
+is the decode steps' alone.
 """
 
 from __future__ import annotations
@@ -29,9 +32,30 @@ def _value(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
+def _kernels(prof) -> dict[str, list[float]]:
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            by_name[ev.name].append(ev.device_time)  # microseconds
+    return by_name
+
+
+def _profiled(e, ids, params):
+    e.flush_cache()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        e.generate(input_ids=ids, sampling_params=params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    return _kernels(prof), wall
+
+
 def main() -> None:
-    config, bs, n_in, n_out = sys.argv[1], *map(int, sys.argv[2:5])
-    kwargs = dict(kv.split("=", 1) for kv in sys.argv[5:])
+    decode_only = "--decode-only" in sys.argv
+    argv = [a for a in sys.argv if a != "--decode-only"]
+    config, bs, n_in, n_out = argv[1], *map(int, argv[2:5])
+    kwargs = dict(kv.split("=", 1) for kv in argv[5:])
     kwargs = {k: _value(v) for k, v in kwargs.items()}
     with loom.Engine(
         model=config,
@@ -43,18 +67,17 @@ def main() -> None:
         ids = [[1000 + (i * 7 + j) % 30000 for j in range(n_in)] for i in range(bs)]
         params = {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}
         e.generate(input_ids=ids, sampling_params=params)
-        e.flush_cache()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            e.generate(input_ids=ids, sampling_params=params)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
+        by_name, wall = _profiled(e, ids, params)
+        if decode_only:  # minus the same batch's prefill and first token
+            base, base_wall = _profiled(e, ids, {**params, "max_new_tokens": 1})
+            wall -= base_wall
+            for name, times in base.items():
+                mine = by_name.get(name, [])
+                left = sum(mine) - sum(times)
+                count = max(1, len(mine) - len(times))
+                by_name[name] = [left / count] * count if left > 0 else []
+            by_name = {k: v for k, v in by_name.items() if v}
         info = e.get_server_info()
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
-            by_name[ev.name].append(ev.device_time)  # microseconds
     total = sum(sum(v) for v in by_name.values())
     steps = max(1, n_out - 1)
     print(

@@ -14,7 +14,8 @@
 #              wlfp8: the same with --kv-cache-dtype fp8_e4m3
 #   attn       decode attention alone (bench/attn_micro.py): Triton variants vs FlashInfer
 #   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
-#   kprof, kprof512, kprofpre  per-kernel profiles (bench/gpu_kernel_profile.py; kprofpre: prefill)
+#   kprof, kprof512, kprofpre  per-kernel profiles (bench/gpu_kernel_profile.py; kprofpre: prefill;
+#              kprofdec [k=v ...]: the decode steps alone at batch 512)
 #   quicktests the GPU tests of the newest kernels
 #   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
@@ -142,6 +143,11 @@ kprofpre)
   ;;
 kprof512)
   $py bench/gpu_kernel_profile.py $L8 512 800 16 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
+  ;;
+kprofdec)
+  # the decode steps alone at batch 512 x ~900 tokens (the 1000-request workload's regime):
+  # kernels of a 17-token run minus those of a 1-token run; further k=v engine kwargs pass on
+  $py bench/gpu_kernel_profile.py $L8 512 900 17 --decode-only "${@:3}" 2>&1 | grep -v "^Loading" | tail -32 | tee -a "$log"
   ;;
 ggufpart)
   # The default model's GGUF (98 MB) exceeds one call's 64 MiB: carry .gguf/smollm2.gguf.part-00

@@ -95,8 +95,8 @@ def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill
 
 @_CPU_AUTO
 def test_auto_decode_switches_backend_above_a_batch_size(tiny_dir, monkeypatch):
-    """`auto` decode with a backend for large batches (on CUDA: Triton up to batch 256,
-    FlashInfer above), here on CPU with Triton up to batch 2 and torch_native above: each decode
+    """`auto` decode with a backend for large batches (on CUDA over an fp8 cache: Triton up to
+    batch 32, FlashInfer above), here on CPU with Triton up to batch 2 and torch_native above: each decode
     step goes to the backend its batch size picks, as the batch shrinks, and the tokens equal
     torch_native's alone."""
     import loom.model_executor.model_runner as mr
@@ -107,7 +107,7 @@ def test_auto_decode_switches_backend_above_a_batch_size(tiny_dir, monkeypatch):
     with loom.Engine(attention_backend="torch_native", **kw) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     monkeypatch.setitem(mr._AUTO_BACKENDS, ("cpu", "decode"), ["triton"])
-    monkeypatch.setattr(mr, "_AUTO_DECODE_LARGE", {"cpu": ("torch_native", 2)})
+    monkeypatch.setattr(mr, "_AUTO_DECODE_LARGE", {("cpu", "model"): ("torch_native", 2)})
     with loom.Engine(**kw) as e:
         info = e.get_server_info()
         assert info["attention_backend"] == (
@@ -182,20 +182,30 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group):
         torch.testing.assert_close(out[r], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_default_variant_in_half_precision_matches_dense_attention(dtype):
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [
+        (torch.float16, None),
+        (torch.bfloat16, None),
+        (torch.float16, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e5m2),
+    ],
+)
+def test_decode_default_variant_in_half_precision_matches_dense_attention(dtype, kv_dtype):
     """fp16/bf16 take the tl.dot variant by default (the GPU default for half-precision
-    models). Triton's CPU interpreter computes tl.dot on bf16 wrongly (a 16x16 bf16 tl.dot
-    alone is off by ~1e10 there, fp16 is exact), so bf16 runs on CUDA only."""
+    models); over an fp8 cache its dots run in fp16. Triton's CPU interpreter computes tl.dot on
+    bf16 wrongly (a 16x16 bf16 tl.dot alone is off by ~1e10 there, fp16 is exact), so a bf16
+    query over a bf16 cache runs on CUDA only. The reference reads the same fp8 values."""
     from loom.layers.attention.triton_ops import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == torch.bfloat16 and device == "cpu":
+    if dtype == torch.bfloat16 and kv_dtype is None and device == "cpu":
         pytest.skip("Triton's interpreter mishandles tl.dot on bf16")
     gen = torch.Generator().manual_seed(3)
     kv_heads, group, head_dim, slots = 2, 4, 32, 300
-    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
-    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(kv_dtype or dtype)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(kv_dtype or dtype)
     table = (torch.randperm(slots - 1, generator=gen)[:200] + 1).view(2, 100)
     q = torch.randn(2, kv_heads * group, head_dim, generator=gen).to(dtype)
     lens = [100, 61]
@@ -260,17 +270,21 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
 
 
 @_CPU_AUTO
-def test_auto_skips_backends_held_back_for_fp8_caches(tiny_dir, monkeypatch):
-    """`auto` passes over a backend listed in _AUTO_SKIP_FP8_KV when the KV cache is fp8 (on
-    CUDA: FlashInfer's fp8 reads, until measured), and still picks it otherwise; naming it
-    explicitly always works."""
+def test_auto_large_batch_decode_switch_is_chosen_by_kv_cache_kind(tiny_dir, monkeypatch):
+    """The large-batch decode switch is looked up by (device, KV cache kind): on CUDA only fp8
+    caches switch (to FlashInfer above batch 32); a model-dtype cache keeps one decode backend.
+    Naming the decode backend turns the switch off."""
     import loom.model_executor.model_runner as mr
 
-    monkeypatch.setitem(mr._AUTO_BACKENDS, "cpu", ["triton", "torch_native"])
-    monkeypatch.setattr(mr, "_AUTO_SKIP_FP8_KV", {"triton"})
+    monkeypatch.setitem(mr._AUTO_BACKENDS, ("cpu", "decode"), ["triton"])
+    monkeypatch.setattr(mr, "_AUTO_DECODE_LARGE", {("cpu", "fp8"): ("torch_native", 2)})
     kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=256, dtype="float32")
-    for kv, want in (("auto", "triton"), ("fp8_e4m3", "torch_native")):
+    want = {
+        "auto": "torch_native prefill + triton decode",
+        "fp8_e4m3": "torch_native prefill + triton decode (torch_native above batch 2)",
+    }
+    for kv, name in want.items():
         with loom.Engine(kv_cache_dtype=kv, **kw) as e:
-            assert e.get_server_info()["attention_backend"] == want
-    with loom.Engine(kv_cache_dtype="fp8_e4m3", attention_backend="triton", **kw) as e:
-        assert e.get_server_info()["attention_backend"] == "triton"
+            assert e.get_server_info()["attention_backend"] == name
+    with loom.Engine(kv_cache_dtype="fp8_e4m3", decode_attention_backend="triton", **kw) as e:
+        assert e.get_server_info()["attention_backend"] == "torch_native prefill + triton decode"

@@ -225,8 +225,9 @@ class ServerArgs:
     attention_backend: str = field(
         default="auto",
         metadata=_arg(
-            "Attention kernels (auto: on CUDA FlashInfer prefill and Triton decode, FlashInfer "
-            "decode above batch 256, Triton alone without FlashInfer; torch_native on CPU).",
+            "Attention kernels (auto: on CUDA FlashInfer prefill and Triton decode, over an "
+            "fp8_e4m3 KV cache FlashInfer decode above batch 32, Triton alone without "
+            "FlashInfer; torch_native on CPU).",
             family="attention_backend",
             extra_choices=("auto",),
         ),

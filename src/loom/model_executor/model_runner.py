@@ -36,14 +36,14 @@ _AUTO_BACKENDS = {
     ("cuda", "decode"): ["triton", "flashinfer", "flash_attention", "torch_native"],
     "cpu": ["torch_native"],
 }
-# ... except above this decode batch size (a CUDA-graph bucket, so an eager step and the graph
-# that pads it agree), where `auto` decodes with this backend when it is available: on the H200
-# FlashInfer's decode ran the 1000-request Llama-3-8B workload (mean batch 461) 8% faster than
-# Triton's, while Triton's was faster at batch 1 (8B) and batch 32 (SmolLM2).
-_AUTO_DECODE_LARGE = {"cuda": ("flashinfer", 256)}
-# Backends that read an fp8 KV cache when named, but that `auto` does not pick for one until
-# that path has been measured on a GPU (FlashInfer's fp8_e4m3 reads, session 4).
-_AUTO_SKIP_FP8_KV = {"flashinfer"}
+# ... except above a decode batch size (a CUDA-graph bucket, so an eager step and the graph that
+# pads it agree), where `auto` decodes with another backend when it is available, keyed by
+# (device, KV cache kind). On the H200 (bench/attn_micro.py, Llama-3-8B heads, docs/benchmarks.md,
+# session 5): over a bf16 cache Loom's Triton decode with 1-2 KV splits matched FlashInfer's at
+# batch 256 and beat it at 64, 512 and 1,000 (482 vs 506 us at 512 x 900 tokens), so bf16 decodes
+# with Triton at every size; over an fp8_e4m3 cache FlashInfer's was faster from batch 64 (474
+# vs 530 us at 512 x 900) and Triton's at batch 1 (6 vs 14 us).
+_AUTO_DECODE_LARGE = {("cuda", "fp8"): ("flashinfer", 32)}
 # On the H200 the 1000-request Llama-3-8B workload ran at 10,017 output tok/s with 1024 running
 # requests against 9,712 with 512 (docs/benchmarks.md): larger batches prefill in larger steps.
 _MAX_AUTO_RUNNING = 1024
@@ -187,8 +187,9 @@ class ModelRunner:
         p_name = self._pick_attention_backend(prefill, "prefill", ctx, built)
         d_name = self._pick_attention_backend(decode, "decode", ctx, built)
         large, switch = None, ""
-        if decode == "auto" and self.device.type in _AUTO_DECODE_LARGE:
-            l_name, above = _AUTO_DECODE_LARGE[self.device.type]
+        kv_kind = "fp8" if self.kv_dtype in FP8_DTYPES else "model"
+        if decode == "auto" and (self.device.type, kv_kind) in _AUTO_DECODE_LARGE:
+            l_name, above = _AUTO_DECODE_LARGE[(self.device.type, kv_kind)]
             if l_name != d_name and self._try_attention_backend(l_name, "decode", ctx, built):
                 large = (built[l_name], above)
                 switch = f" ({l_name} above batch {above})"
@@ -221,14 +222,12 @@ class ModelRunner:
         raise ValueError(f"no attention backend supports {self.device} / {self.dtype}")
 
     def _try_attention_backend(self, name: str, phase: str, ctx, built: dict) -> bool:
-        """Whether ``name`` can serve here, for ``auto``: registered, not held back (fp8 caches:
-        ``_AUTO_SKIP_FP8_KV``), supporting the device and dtype, and constructed (a backend's
-        constructor raises ValueError for shapes it lacks) into ``built``."""
+        """Whether ``name`` can serve here, for ``auto``: registered, supporting the device and
+        dtype, and constructed (a backend's constructor raises ValueError for shapes and KV
+        dtypes it lacks) into ``built``."""
         if name in built:
             return True
         if name not in set(plugins.names("attention_backend")):
-            return False
-        if name in _AUTO_SKIP_FP8_KV and self.kv_dtype in FP8_DTYPES:
             return False
         cls = plugins.resolve("attention_backend", name)
         if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):

@@ -15,19 +15,23 @@ import torch
 
 from loom.layers.attention.base import AttentionBackend
 
-DEFAULT_NUM_KV_SPLITS = 8
 _FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls this per layer
 
 
 def num_kv_splits(bs: int) -> int:
-    """Splits of each request's KV in decode: 16 up to batch 4, so that small batches fill the
-    GPU (batch 1 of an 8-KV-head model: 128 programs; on the H200 Llama-3-8B's batch-1 step took
-    4.46 ms against 4.56 with 8 splits), 8 above. The rule is constant over CUDA-graph buckets
-    (1, 2, 4, 8, ...), so a graph and the eager step it pads compute the same thing.
-    ``LOOM_TRITON_SPLITS`` overrides (for measuring)."""
+    """Splits of each request's KV in decode: enough programs to fill the GPU, and no more,
+    since each split costs a partial output and its merge. 16 up to batch 4, then halving as
+    the batch doubles: 8 at batch 8, 4 at 16, 2 at 32, 1 above 32. On the H200 (Llama-3-8B
+    heads, bench/attn_micro.py, session 5) 16 splits were fastest at batch 1 (6 vs 8 us with 8)
+    and 1 split at batch 64, 512 and 1,000 (482 vs 581 us with 8 at 512 x 900 tokens). The
+    thresholds are CUDA-graph buckets (powers of two), so a graph and the eager step it pads
+    compute the same thing. ``LOOM_TRITON_SPLITS`` overrides (for measuring)."""
     if _FORCED_SPLITS:
         return int(_FORCED_SPLITS)
-    return DEFAULT_NUM_KV_SPLITS * 2 if bs <= 4 else DEFAULT_NUM_KV_SPLITS
+    splits = 16
+    while splits > 1 and bs > 64 // splits:
+        splits //= 2
+    return splits
 
 
 @dataclass

@@ -27,6 +27,11 @@ import triton.language as tl
 # On the H200 (bench/attn_micro.py, Llama-3-8B heads, docs/benchmarks.md) dot took 5.6 vs 9.8 us
 # at batch 1 / 256 tokens and 82 vs 504 us at batch 64 / 1,024 tokens (FlashInfer: 10.4, 77 us).
 _DECODE_VARIANT = os.environ.get("LOOM_TRITON_DECODE", "")
+# fp8 K/V under a 16-bit query: the dots run in fp16 (the query rounded from bf16, the
+# probabilities in [0, 1]), since fp8 -> fp16 is one conversion instruction per two elements and
+# fp8 -> bf16 goes through fp32. With bf16 dots the H200 decoded slower over an fp8 cache than
+# over bf16 (docs/benchmarks.md, session 4).
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -60,6 +65,7 @@ def _decode_stage1(
     NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT_FP16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,6 +90,8 @@ def _decode_stage1(
     )
     if not USE_DOT:
         q = q.to(tl.float32)
+    elif DOT_FP16:  # fp8 K/V: fp16 dots (see _FP8); a bf16 query is clamped to fp16's range
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -236,6 +244,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         USE_DOT=use_dot,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in _FP8,
     )
     _decode_stage2[(bs, num_heads)](
         mid_o,
