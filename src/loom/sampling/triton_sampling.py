@@ -8,12 +8,14 @@ a SmolLM2-sized decode step (docs/benchmarks.md). Here one program per row:
 1. finds the row's maximum ``m`` (and its first index: greedy rows stop there) and its smallest
    finite logit;
 2. sums ``Z = sum(exp((x - m) / T))``;
-3. finds the cut ``tau`` of the kept set ``{x >= tau}`` by bisection on the logit: the kept set
+3. finds the cut ``tau`` of the kept set ``{x >= tau}`` by a search on the logit: the kept set
    of top-k, top-p and min-p is the intersection of three upper sets of the sorted row, so ``tau``
    is the largest of their three cuts, and ``max(cut_k, cut_p) = sup{tau : count(x >= tau) >= k or
-   mass(x >= tau) >= p * Z}`` (both predicates shrink as ``tau`` grows), found by halving the
-   interval above min-p's cut ``m + T log(min_p)`` (at most 32 times, and no further once it
-   holds a single logit: the kept set is then decided);
+   mass(x >= tau) >= p * Z}`` (both predicates shrink as ``tau`` grows), found in the interval
+   above min-p's cut ``m + T log(min_p)``. Each pass over the row tests ``_THRESHOLDS`` evenly
+   spaced thresholds at once and keeps the sub-interval where the predicate turns false (an
+   8-way test narrows it 9 times a pass, where bisection halves it); the search stops once the
+   interval holds a single logit (the kept set is then decided). The first pass also sums Z;
 4. draws ``argmax((x - m) / T + G)`` over the kept set with Gumbel noise ``G`` (the Gumbel-max
    trick, equivalent to the exponential race of the PyTorch path) from Triton's Philox generator,
    seeded per row: a seeded request's noise depends only on its seed and output position.
@@ -33,6 +35,10 @@ from dataclasses import dataclass
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Thresholds tested per pass of the cut search (a power of two: a tl.arange extent). On the H200
+# the bisection's ~20 passes over a 128k-entry row cost Llama-3-8B 12% of a batch-32 decode step
+# (docs/benchmarks.md, session 5); 8 thresholds need ~7.
+_THRESHOLDS = 8
 
 if HAS_TRITON:
     import triton
@@ -64,6 +70,8 @@ if HAS_TRITON:
         HAS_PEN: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr,
+        SBLOCK: tl.constexpr,
+        NT: tl.constexpr,
         ITERS: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -120,48 +128,58 @@ if HAS_TRITON:
             top_k = tl.load(Params + 2 * stride_p + row)
             min_p = tl.load(Params + 3 * stride_p + row)
             inv_t = 1.0 / temp
-            # 2. the normaliser
-            z_vec = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, V, BLOCK):
-                cols = start + offs
-                x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
-                z_vec += tl.exp((x - m) * inv_t)
-            z = tl.sum(z_vec, 0)
-            # 3. the cut
+            # 2-3. the normaliser and the cut. The kept set {x >= a} satisfies the predicate
+            # (or nothing above min-p's cut does: then that cut stands); {x >= b} keeps
+            # nothing. Each pass counts the logits and their mass above NT thresholds that
+            # split [a, b) evenly (per-lane partials, [NT, SBLOCK]), so the interval shrinks
+            # NT + 1 times a pass, not twice. cnt_a >= count(x >= a) and cnt_b = count(x >=
+            # b): once [a, b) holds at most one logit, narrowing it cannot change the set
+            # {x >= a}, so the search stops there. The first pass also sums the normaliser.
             tau = lo
             if min_p > 0.0:
                 tau = tl.maximum(tau, m + temp * tl.log(min_p))
             use_k = top_k < V
             use_p = top_p < 1.0
-            if use_k | use_p:
-                # The kept set {x >= a} satisfies the predicate (or nothing above min-p's cut
-                # does: then that cut stands); {x >= b} keeps nothing. cnt_a >= count(x >= a)
-                # and cnt_b = count(x >= b): once [a, b) holds at most one logit, further
-                # halvings cannot change the set {x >= a}, so the search stops there.
-                a = tau
-                b = m + 1.0
-                cnt_a = V * 1.0
-                cnt_b = 0.0
-                it = 0
-                while (it < ITERS) & (cnt_a - cnt_b > 1.0):
-                    mid = 0.5 * (a + b)
-                    c_vec = tl.zeros([BLOCK], tl.float32)
-                    s_vec = tl.zeros([BLOCK], tl.float32)
-                    for start in range(0, V, BLOCK):
-                        cols = start + offs
-                        x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
-                        keep = x >= mid
-                        c_vec += keep.to(tl.float32)
-                        s_vec += tl.where(keep, tl.exp((x - m) * inv_t), 0.0)
-                    count = tl.sum(c_vec, 0)
-                    mass = tl.sum(s_vec, 0)
-                    ok = (use_k & (count >= top_k)) | (use_p & (mass >= top_p * z))
-                    a = tl.where(ok, mid, a)
-                    cnt_a = tl.where(ok, count, cnt_a)
-                    b = tl.where(ok, b, mid)
-                    cnt_b = tl.where(ok, cnt_b, count)
-                    it += 1
-                tau = tl.maximum(tau, a)
+            soffs = tl.arange(0, SBLOCK)
+            frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
+            a = tau
+            b = m + 1.0
+            cnt_a = V * 1.0
+            cnt_b = 0.0
+            z = 0.0
+            it = 0
+            searching = use_k | use_p
+            while (it == 0) | (searching & (it < ITERS) & (cnt_a - cnt_b > 1.0)):
+                mids = a + (b - a) * frac  # [NT], increasing
+                c2 = tl.zeros([NT, SBLOCK], tl.float32)
+                s2 = tl.zeros([NT, SBLOCK], tl.float32)
+                z_vec = tl.zeros([SBLOCK], tl.float32)
+                for start in range(0, V, SBLOCK):
+                    cols = start + soffs
+                    x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
+                    e = tl.exp((x - m) * inv_t)
+                    if it == 0:
+                        z_vec += e
+                    if searching:
+                        keep = x[None, :] >= mids[:, None]
+                        c2 += keep.to(tl.float32)
+                        s2 += tl.where(keep, e[None, :], 0.0)
+                if it == 0:
+                    z = tl.sum(z_vec, 0)
+                if searching:
+                    count = tl.sum(c2, 1)  # [NT], non-increasing
+                    mass = tl.sum(s2, 1)
+                    ok_k = tl.where(use_k, count >= top_k, False)
+                    ok = ok_k | tl.where(use_p, mass >= top_p * z, False)
+                    # ok holds for a prefix of the thresholds: a moves to the last of it, b to
+                    # the first threshold after it
+                    a_new = tl.max(tl.where(ok, mids, a), 0)
+                    cnt_a = tl.min(tl.where(ok, count, cnt_a), 0)
+                    b = tl.min(tl.where(ok, b, mids), 0)
+                    cnt_b = tl.max(tl.where(ok, cnt_b, count), 0)
+                    a = a_new
+                it += 1
+            tau = tl.maximum(tau, a)
             # 4. the Gumbel-max draw over {x >= tau}
             if HAS_SEEDS:
                 seed = tl.load(Seeds + row)
@@ -249,7 +267,7 @@ def fused_sample(
     params: torch.Tensor,
     seeds: list[tuple[int, int, int]] | None = None,
     base_seed: int | None = None,
-    iters: int = 32,
+    iters: int = 12,
     extras: FusedPenalties | None = None,
     state=None,
 ) -> torch.Tensor:
@@ -257,7 +275,8 @@ def fused_sample(
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
     size when off), min_p, greedy (1.0 / 0.0). ``seeds``: ``(row, seed, output position)`` of
     seeded rows; the others draw from ``base_seed`` (random when None) plus the row index.
-    ``iters``: bisection halvings of the logit range (32 reach fp32 resolution).
+    ``iters``: passes of the top-k / top-p cut search, each narrowing the logit range
+    ``_THRESHOLDS + 1`` times (12 passes reach fp32 resolution).
     ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
     first, in one kernel with the draw."""
@@ -302,6 +321,8 @@ def fused_sample(
         HAS_PEN=has_pen,
         HAS_BIAS=has_bias,
         BLOCK=block,
+        SBLOCK=min(block, 1024),
+        NT=_THRESHOLDS,
         ITERS=iters,
         num_warps=8,  # one program per row: more warps hide the passes' load and exp latency
     )
