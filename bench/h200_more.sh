@@ -81,6 +81,12 @@ if [ -d .whl2 ] && [ ! -d /tmp/site2/xgrammar ]; then
     .whl2/*.whl $(ls .whl/apache_tvm_ffi-*.whl 2>/dev/null) 2>&1 | tail -2 | tee -a "$log"
 fi
 [ -d /tmp/site2/xgrammar ] && export PYTHONPATH="/tmp/site2:$PYTHONPATH"
+# .whl3: gguf (for bf16parity on the default model's GGUF)
+if [ -d .whl3 ] && [ ! -d /tmp/site3/gguf ]; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site3 \
+    .whl3/*.whl 2>&1 | tail -2 | tee -a "$log"
+fi
+[ -d /tmp/site3/gguf ] && export PYTHONPATH="/tmp/site3:$PYTHONPATH"
 L8=configs/llama-3-8b.json
 SM=configs/smollm2-135m.json
 
@@ -180,6 +186,12 @@ pyspy)
 quicktests)
   $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py tests/test_conformance.py -k "half or variants or cuda or hybrid or fused_penalties" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  ;;
+quick5)
+  # session 5: Triton decode splits by batch size and fp16 dots over fp8 K/V, the fp8 auto
+  # switch, the 8-threshold cut search in the sampling kernel
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py -k "half_precision or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
 quick4)
   # session 4's GPU tests: fused penalties in the sampling kernel, hybrid backends, graphs
