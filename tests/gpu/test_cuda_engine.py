@@ -268,7 +268,9 @@ def test_cuda_penalty_kernel_matches_dense_path():
 
 def test_cuda_fused_sampling_follows_the_filtered_softmax():
     """The fused sampling kernel on the GPU: 20,000 draws per setting against the sort-based
-    reference distribution (chi-square), with its full 32 bisection steps."""
+    reference distribution (chi-square), with its default rounds. The 12 logits also sit spread
+    over a Llama-3-sized row (128,256 columns, the rest -inf): 32 chunks per row, whose partials
+    merge to the same distribution."""
     from loom.sampling.sampler import SamplingBatchInfo
     from loom.sampling.sampling_params import SamplingParams
     from loom.sampling.triton_sampling import fused_sample
@@ -280,14 +282,21 @@ def test_cuda_fused_sampling_follows_the_filtered_softmax():
     for t, k, p, m in [(0.7, 3, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.3, 5, 0.9, 0.05)]:
         params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)] * n
         info = SamplingBatchInfo.build(params, [0] * n, 12, torch.device("cuda"))
-        rows = logits.cuda().expand(n, -1).contiguous()
-        draws = fused_sample(rows, info.params, [])
-        counts = torch.bincount(draws.cpu(), minlength=12).double()
         want = _reference_filtered(logits, t, max(k, 0), p, m)
         expected = want / want.sum() * n
         keep = expected > 0
+        rows = logits.cuda().expand(n, -1).contiguous()
+        counts = torch.bincount(fused_sample(rows, info.params, []).cpu(), minlength=12)
         assert counts[~keep].sum() == 0
-        assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+        assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
+        cols = torch.arange(12, device="cuda") * 10_687 + 3  # 12 of the 32 chunks of 4,096
+        wide = torch.full((n, 128_256), -float("inf"), device="cuda")
+        wide[:, cols] = logits.cuda()
+        draws = fused_sample(wide, info.params, [])
+        assert torch.isin(draws, cols).all()
+        counts = torch.bincount((draws.cpu() - 3) // 10_687, minlength=12)
+        assert counts[~keep].sum() == 0
+        assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])

@@ -1,24 +1,33 @@
-"""Sampling in one Triton kernel on the GPU: temperature, top-k, top-p and min-p filtering and the
-draw, with no sort and no host sync.
+"""Sampling in a few Triton kernels on the GPU: penalties, logit bias, temperature, top-k, top-p
+and min-p filtering and the draw, with no sort and no host sync.
 
 The plain-PyTorch path (``sampler._sample_full``) launches ~20 kernels per step (softmax, a
 full-vocabulary sort, cumsum, masks, a scatter, noise): on the H200 that kept the host busier than
-a SmolLM2-sized decode step (docs/benchmarks.md). Here one program per row:
+a SmolLM2-sized decode step (docs/benchmarks.md). Here each row is split into chunks of
+``_CHUNK`` columns, one program per (row, chunk), so a batch of 32 rows fills the GPU; programs
+of a row exchange per-chunk partials between launches (a fixed number, so no host sync):
 
-1. finds the row's maximum ``m`` (and its first index: greedy rows stop there) and its smallest
-   finite logit;
-2. sums ``Z = sum(exp((x - m) / T))``;
-3. finds the cut ``tau`` of the kept set ``{x >= tau}`` by a search on the logit: the kept set
-   of top-k, top-p and min-p is the intersection of three upper sets of the sorted row, so ``tau``
-   is the largest of their three cuts, and ``max(cut_k, cut_p) = sup{tau : count(x >= tau) >= k or
-   mass(x >= tau) >= p * Z}`` (both predicates shrink as ``tau`` grows), found in the interval
-   above min-p's cut ``m + T log(min_p)``. Each pass over the row tests ``_THRESHOLDS`` evenly
-   spaced thresholds at once and keeps the sub-interval where the predicate turns false (an
-   8-way test narrows it 9 times a pass, where bisection halves it); the search stops once the
-   interval holds a single logit (the kept set is then decided). The first pass also sums Z;
-4. draws ``argmax((x - m) / T + G)`` over the kept set with Gumbel noise ``G`` (the Gumbel-max
-   trick, equivalent to the exponential race of the PyTorch path) from Triton's Philox generator,
-   seeded per row: a seeded request's noise depends only on its seed and output position.
+1. ``_prep_kernel`` applies the penalties and the logit bias in place, then finds its chunk's
+   maximum, the maximum's first index and the smallest finite logit; the row's ``m`` (and, for
+   greedy rows, the token) follows from the chunks';
+2. ``_round_kernel`` (``iters`` launches) searches the cut ``tau`` of the kept set
+   ``{x >= tau}``: the kept set of top-k, top-p and min-p is the intersection of three upper sets
+   of the sorted row, so ``tau`` is the largest of their three cuts, and ``max(cut_k, cut_p) =
+   sup{tau : count(x >= tau) >= k or mass(x >= tau) >= p * Z}`` (both predicates shrink as
+   ``tau`` grows), found in the interval above min-p's cut ``m + T log(min_p)``. Each round
+   counts, per chunk, the logits and their mass ``exp((x - m) / T)`` above ``_THRESHOLDS``
+   evenly spaced thresholds; the next round merges the chunks' counts and keeps the
+   sub-interval where the predicate turns false (17 times narrower). The first round also sums
+   the normaliser ``Z``. A row stops searching once its interval holds a single logit (the kept
+   set is then decided);
+3. ``_draw_kernel`` takes the last step and draws ``argmax((x - m) / T + G)`` over the kept set in
+   its chunk, with Gumbel noise ``G`` (the Gumbel-max trick, equivalent to the exponential race
+   of the PyTorch path) from Triton's Philox generator, seeded per row and column: a seeded
+   request's noise depends only on its seed and output position;
+4. ``_pick_kernel`` takes each row's best chunk and counts the drawn token for the penalties.
+
+Every sum runs in a fixed order over fixed chunks, so a row's result does not depend on the
+batch it is in.
 
 Semantics equal the sort-based reference except on exact ties at a cut (the reference keeps an
 arbitrary subset of tied tokens, this keeps them all). Tested against the reference
@@ -35,10 +44,14 @@ from dataclasses import dataclass
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Thresholds tested per pass of the cut search (a power of two: a tl.arange extent). On the H200
-# the bisection's ~20 passes over a 128k-entry row cost Llama-3-8B 12% of a batch-32 decode step
-# (docs/benchmarks.md, session 5); 8 thresholds need ~7.
-_THRESHOLDS = 8
+# Thresholds tested per round of the cut search (a power of two: a tl.arange extent); a round
+# narrows the interval 17 times.
+_THRESHOLDS = 16
+# Columns per program: a row is split into chunks of this many, one program each, so that a
+# batch of 32 rows of Llama-3-8B's 128,256-entry vocabulary runs 1,024 programs a launch. On the
+# H200 one program per row (32 programs on 132 SMs) was bound by load latency: ~1 us per loop
+# iteration, +0.65-0.97 ms per 8B step at batch 32 (docs/benchmarks.md, session 5).
+_CHUNK = 4096
 
 if HAS_TRITON:
     import triton
@@ -47,24 +60,8 @@ if HAS_TRITON:
     from loom.sampling.penalties import penalised
 
     @triton.jit
-    def _cut_counts(x, m, inv_t, mids, c2, s2, z_vec, it, searching):
-        """One block of a cut-search pass: per-lane counts and masses above each threshold,
-        and (first pass) the normaliser's partial sums."""
-        e = tl.exp((x - m) * inv_t)
-        if it == 0:
-            z_vec += e
-        if searching:
-            keep = x[None, :] >= mids[:, None]
-            c2 += keep.to(tl.float32)
-            s2 += tl.where(keep, e[None, :], 0.0)
-        return c2, s2, z_vec
-
-    @triton.jit
-    def _sample_kernel(
+    def _prep_kernel(
         Logits,
-        Params,  # [5, bs] fp32: temperature, top_p, top_k, min_p, greedy
-        Seeds,  # [bs] int64, when HAS_SEEDS
-        Out,
         StateRows,  # [bs] int64 penalty-state row (-1: none), when HAS_PEN
         Counts,  # [rows, V] int32 output-token counts
         InPrompt,  # [rows, V] int8
@@ -72,36 +69,35 @@ if HAS_TRITON:
         BiasPtr,  # [bs + 1] int64 CSR offsets into BiasCols / BiasVals, when HAS_BIAS
         BiasCols,
         BiasVals,
+        Stats,  # [bs, P, 3] fp32: the chunk's maximum, its first index, smallest finite logit
         stride_l,
-        stride_p,
         stride_c,
         stride_ip,
         stride_coef,
-        base_seed,
         V,
-        HAS_SEEDS: tl.constexpr,
+        P,
         HAS_PEN: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
-        SBLOCK: tl.constexpr,
-        NT: tl.constexpr,
-        ITERS: tl.constexpr,
     ):
         row = tl.program_id(0)
+        p = tl.program_id(1)
         base = Logits + row * stride_l
+        lo_col = p * CHUNK
+        hi_col = tl.minimum(lo_col + CHUNK, V)
         offs = tl.arange(0, BLOCK)
-        # 0. penalties, then logit bias, written back in place (the order of the PyTorch path;
-        # a grammar's -inf entries applied before stay -inf under both)
-        s = -1
+        # penalties, then logit bias, written back in place (the order of the PyTorch path; a
+        # grammar's -inf entries applied before stay -inf under both)
         if HAS_PEN:
             s = tl.load(StateRows + row)
             if s >= 0:
                 f = tl.load(Coef + row)
                 pr = tl.load(Coef + stride_coef + row)
                 r = tl.load(Coef + 2 * stride_coef + row)
-                for start in range(0, V, BLOCK):
+                for start in range(lo_col, hi_col, BLOCK):
                     cols = start + offs
-                    mask = cols < V
+                    mask = cols < hi_col
                     x = tl.load(base + cols, mask=mask, other=0.0)
                     c = tl.load(Counts + s * stride_c + cols, mask=mask, other=0).to(tl.float32)
                     ip = tl.load(InPrompt + s * stride_ip + cols, mask=mask, other=0)
@@ -112,105 +108,220 @@ if HAS_TRITON:
             b1 = tl.load(BiasPtr + row + 1)
             boffs = tl.arange(0, 16)
             for j in range(b0, b1, 16):  # a row's columns are distinct: no write conflicts
-                bmask = j + boffs < b1
-                bc = tl.load(BiasCols + j + boffs, mask=bmask, other=0)
+                bc = tl.load(BiasCols + j + boffs, mask=j + boffs < b1, other=0)
+                bmask = (j + boffs < b1) & (bc >= lo_col) & (bc < hi_col)  # this chunk's
                 bv = tl.load(BiasVals + j + boffs, mask=bmask, other=0.0)
                 x = tl.load(base + bc, mask=bmask, other=0.0)
                 tl.store(base + bc, x + bv, mask=bmask)
             tl.debug_barrier()
-        # Every pass keeps per-lane partials ([BLOCK] vectors: no cross-thread work inside the
-        # loop) and reduces them once at its end.
-        # 1. maximum, its first index, smallest finite logit
         m_vec = tl.full([BLOCK], -float("inf"), tl.float32)
         i_vec = tl.zeros([BLOCK], tl.int32)
         lo_vec = tl.full([BLOCK], float("inf"), tl.float32)
-        for start in range(0, V, BLOCK):
+        for start in range(lo_col, hi_col, BLOCK):
             cols = start + offs
-            x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
+            x = tl.load(base + cols, mask=cols < hi_col, other=-float("inf"))
             up = x > m_vec  # strict: a lane keeps its first maximum
             i_vec = tl.where(up, cols, i_vec)
             m_vec = tl.where(up, x, m_vec)
             lo_vec = tl.minimum(lo_vec, tl.where(x > -float("inf"), x, float("inf")))
         m = tl.max(m_vec, 0)
-        best = tl.min(tl.where(m_vec == m, i_vec, V), 0)
-        lo = tl.min(lo_vec, 0)
-        greedy = tl.load(Params + 4 * stride_p + row)
-        if greedy == 0.0:
+        first = tl.min(tl.where(m_vec == m, i_vec, V), 0)
+        out = Stats + (row * P + p) * 3
+        tl.store(out, m)
+        tl.store(out + 1, first.to(tl.float32))
+        tl.store(out + 2, tl.min(lo_vec, 0))
+
+    @triton.jit
+    def _row_stats(Stats, row, P, V, PB: tl.constexpr):
+        """The row's maximum, its first index and its smallest finite logit, from the chunks'."""
+        offs = tl.arange(0, PB)
+        mask = offs < P
+        at = Stats + (row * P + offs) * 3
+        mx = tl.load(at, mask=mask, other=-float("inf"))
+        idx = tl.load(at + 1, mask=mask, other=V * 1.0)
+        lo = tl.load(at + 2, mask=mask, other=float("inf"))
+        m = tl.max(mx, 0)
+        return m, tl.min(tl.where(mx == m, idx, V * 1.0), 0), tl.min(lo, 0)
+
+    @triton.jit
+    def _narrow(Cut, Zs, row, P, a, b, cnt_a, cnt_b, top_k, top_p, use_k, use_p, frac,
+                PB: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """One step of the cut search from the chunks' counts and masses above the NT
+        thresholds that split [a, b) evenly: ok holds for a prefix of them (both predicates
+        shrink as the threshold grows), a moves to the last of it, b to the first after it."""
+        offs_p = tl.arange(0, PB)
+        offs_t = tl.arange(0, NT)
+        pmask = offs_p < P
+        at = Cut + (row * P + offs_p[:, None]) * (2 * NT) + offs_t[None, :]
+        count = tl.sum(tl.load(at, mask=pmask[:, None], other=0.0), 0)  # [NT]
+        mass = tl.sum(tl.load(at + NT, mask=pmask[:, None], other=0.0), 0)
+        z = tl.sum(tl.load(Zs + row * P + offs_p, mask=pmask, other=0.0), 0)
+        mids = a + (b - a) * frac
+        ok_k = tl.where(use_k, count >= top_k, False)
+        ok = ok_k | tl.where(use_p, mass >= top_p * z, False)
+        a_new = tl.max(tl.where(ok, mids, a), 0)
+        cnt_a = tl.min(tl.where(ok, count, cnt_a), 0)
+        b = tl.min(tl.where(ok, b, mids), 0)
+        cnt_b = tl.max(tl.where(ok, cnt_b, count), 0)
+        return a_new, b, cnt_a, cnt_b
+
+    @triton.jit
+    def _cut_counts(x, m, inv_t, mids, c2, s2, z_vec, FIRST: tl.constexpr):
+        """One block of a search round: per-lane counts and masses above each threshold, and
+        (first round) the normaliser's partial sums."""
+        e = tl.exp((x - m) * inv_t)
+        if FIRST:
+            z_vec += e
+        keep = x[None, :] >= mids[:, None]
+        c2 += keep.to(tl.float32)
+        s2 += tl.where(keep, e[None, :], 0.0)
+        return c2, s2, z_vec
+
+    @triton.jit
+    def _round_kernel(
+        Logits,
+        Params,  # [5, bs] fp32: temperature, top_p, top_k, min_p, greedy
+        Stats,
+        Zs,  # [bs, P] fp32: the chunks' normaliser sums (first round)
+        CutIn,  # [bs, P, 2, NT] fp32: the previous round's counts and masses
+        CutOut,
+        StIn,  # [bs, 8] fp32: the previous round's a, b, cnt_a, cnt_b, searching, tau0
+        StOut,
+        stride_l,
+        stride_p,
+        V,
+        P,
+        FIRST: tl.constexpr,
+        CHUNK: tl.constexpr,
+        SBLOCK: tl.constexpr,
+        PB: tl.constexpr,
+        NT: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        p = tl.program_id(1)
+        if tl.load(Params + 4 * stride_p + row) == 0.0:  # greedy rows are done
             temp = tl.load(Params + row)
             top_p = tl.load(Params + stride_p + row)
             top_k = tl.load(Params + 2 * stride_p + row)
             min_p = tl.load(Params + 3 * stride_p + row)
             inv_t = 1.0 / temp
-            # 2-3. the normaliser and the cut. The kept set {x >= a} satisfies the predicate
-            # (or nothing above min-p's cut does: then that cut stands); {x >= b} keeps
-            # nothing. Each pass counts the logits and their mass above NT thresholds that
-            # split [a, b) evenly (per-lane partials, [NT, SBLOCK]), so the interval shrinks
-            # NT + 1 times a pass, not twice. cnt_a >= count(x >= a) and cnt_b = count(x >=
-            # b): once [a, b) holds at most one logit, narrowing it cannot change the set
-            # {x >= a}, so the search stops there. The first pass also sums the normaliser.
-            tau = lo
-            if min_p > 0.0:
-                tau = tl.maximum(tau, m + temp * tl.log(min_p))
             use_k = top_k < V
             use_p = top_p < 1.0
-            soffs = tl.arange(0, SBLOCK)
+            m, _, lo = _row_stats(Stats, row, P, V, PB)
             frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
-            a = tau
-            b = m + 1.0
-            cnt_a = V * 1.0
-            cnt_b = 0.0
-            z = 0.0
-            it = 0
-            searching = use_k | use_p
-            while (it == 0) | (searching & (it < ITERS) & (cnt_a - cnt_b > 1.0)):
-                mids = a + (b - a) * frac  # [NT], increasing
+            if FIRST:
+                tau0 = lo
+                if min_p > 0.0:
+                    tau0 = tl.maximum(tau0, m + temp * tl.log(min_p))
+                a = tau0
+                b = m + 1.0
+                cnt_a = V * 1.0
+                cnt_b = 0.0
+                searching = use_k | use_p
+            else:
+                a = tl.load(StIn + row * 8)
+                b = tl.load(StIn + row * 8 + 1)
+                cnt_a = tl.load(StIn + row * 8 + 2)
+                cnt_b = tl.load(StIn + row * 8 + 3)
+                searching = tl.load(StIn + row * 8 + 4) > 0.0
+                tau0 = tl.load(StIn + row * 8 + 5)
+                if searching:
+                    a, b, cnt_a, cnt_b = _narrow(
+                        CutIn, Zs, row, P, a, b, cnt_a, cnt_b, top_k, top_p, use_k, use_p,
+                        frac, PB, NT,
+                    )  # fmt: skip
+                    # once [a, b) holds at most one logit, narrowing it cannot change the
+                    # kept set {x >= a}: the search is over
+                    searching = cnt_a - cnt_b > 1.0
+            if p == 0:
+                tl.store(StOut + row * 8, a)
+                tl.store(StOut + row * 8 + 1, b)
+                tl.store(StOut + row * 8 + 2, cnt_a)
+                tl.store(StOut + row * 8 + 3, cnt_b)
+                tl.store(StOut + row * 8 + 4, tl.where(searching, 1.0, 0.0))
+                tl.store(StOut + row * 8 + 5, tau0)
+            if searching:
+                base = Logits + row * stride_l
+                lo_col = p * CHUNK
+                hi_col = tl.minimum(lo_col + CHUNK, V)
+                soffs = tl.arange(0, SBLOCK)
+                mids = a + (b - a) * frac
                 c2 = tl.zeros([NT, SBLOCK], tl.float32)
                 s2 = tl.zeros([NT, SBLOCK], tl.float32)
                 z_vec = tl.zeros([SBLOCK], tl.float32)
-                # Four SBLOCK loads issued before any is used: a pass is bound by load
-                # latency (one program per row), so each iteration keeps 4x the bytes in
-                # flight and a pass takes a quarter of the iterations.
-                for start in range(0, V, 4 * SBLOCK):
+                # Four SBLOCK loads issued before any is used: more bytes in flight per
+                # program (a single program per row was bound by load latency on the H200).
+                for start in range(lo_col, hi_col, 4 * SBLOCK):
                     c0 = start + soffs
-                    x0 = tl.load(base + c0, mask=c0 < V, other=-float("inf"))
-                    x1 = tl.load(base + c0 + SBLOCK, mask=c0 + SBLOCK < V, other=-float("inf"))
-                    x2 = tl.load(
-                        base + c0 + 2 * SBLOCK, mask=c0 + 2 * SBLOCK < V, other=-float("inf")
-                    )
-                    x3 = tl.load(
-                        base + c0 + 3 * SBLOCK, mask=c0 + 3 * SBLOCK < V, other=-float("inf")
-                    )
-                    c2, s2, z_vec = _cut_counts(x0, m, inv_t, mids, c2, s2, z_vec, it, searching)
-                    c2, s2, z_vec = _cut_counts(x1, m, inv_t, mids, c2, s2, z_vec, it, searching)
-                    c2, s2, z_vec = _cut_counts(x2, m, inv_t, mids, c2, s2, z_vec, it, searching)
-                    c2, s2, z_vec = _cut_counts(x3, m, inv_t, mids, c2, s2, z_vec, it, searching)
-                if it == 0:
-                    z = tl.sum(z_vec, 0)
-                if searching:
-                    count = tl.sum(c2, 1)  # [NT], non-increasing
-                    mass = tl.sum(s2, 1)
-                    ok_k = tl.where(use_k, count >= top_k, False)
-                    ok = ok_k | tl.where(use_p, mass >= top_p * z, False)
-                    # ok holds for a prefix of the thresholds: a moves to the last of it, b to
-                    # the first threshold after it
-                    a_new = tl.max(tl.where(ok, mids, a), 0)
-                    cnt_a = tl.min(tl.where(ok, count, cnt_a), 0)
-                    b = tl.min(tl.where(ok, b, mids), 0)
-                    cnt_b = tl.max(tl.where(ok, cnt_b, count), 0)
-                    a = a_new
-                it += 1
-            tau = tl.maximum(tau, a)
-            # 4. the Gumbel-max draw over {x >= tau}
+                    ninf = -float("inf")
+                    x0 = tl.load(base + c0, mask=c0 < hi_col, other=ninf)
+                    x1 = tl.load(base + c0 + SBLOCK, mask=c0 + SBLOCK < hi_col, other=ninf)
+                    x2 = tl.load(base + c0 + 2 * SBLOCK, mask=c0 + 2 * SBLOCK < hi_col, other=ninf)
+                    x3 = tl.load(base + c0 + 3 * SBLOCK, mask=c0 + 3 * SBLOCK < hi_col, other=ninf)
+                    c2, s2, z_vec = _cut_counts(x0, m, inv_t, mids, c2, s2, z_vec, FIRST)
+                    c2, s2, z_vec = _cut_counts(x1, m, inv_t, mids, c2, s2, z_vec, FIRST)
+                    c2, s2, z_vec = _cut_counts(x2, m, inv_t, mids, c2, s2, z_vec, FIRST)
+                    c2, s2, z_vec = _cut_counts(x3, m, inv_t, mids, c2, s2, z_vec, FIRST)
+                offs_t = tl.arange(0, NT)
+                at = CutOut + (row * P + p) * (2 * NT)
+                tl.store(at + offs_t, tl.sum(c2, 1))
+                tl.store(at + NT + offs_t, tl.sum(s2, 1))
+                if FIRST:
+                    tl.store(Zs + row * P + p, tl.sum(z_vec, 0))
+
+    @triton.jit
+    def _draw_kernel(
+        Logits,
+        Params,
+        Seeds,  # [bs] int64, when HAS_SEEDS
+        Stats,
+        Zs,
+        Cut,  # the last round's counts and masses
+        St,  # the last round's state
+        Draw,  # [bs, P, 2] fp32: the chunk's best Gumbel score and its index
+        stride_l,
+        stride_p,
+        base_seed,
+        V,
+        P,
+        HAS_SEEDS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PB: tl.constexpr,
+        NT: tl.constexpr,
+    ):
+        """The Gumbel-max draw over {x >= tau} in one chunk, after the last round's step."""
+        row = tl.program_id(0)
+        p = tl.program_id(1)
+        if tl.load(Params + 4 * stride_p + row) == 0.0:
+            temp = tl.load(Params + row)
+            top_p = tl.load(Params + stride_p + row)
+            top_k = tl.load(Params + 2 * stride_p + row)
+            inv_t = 1.0 / temp
+            m, _, _ = _row_stats(Stats, row, P, V, PB)
+            a = tl.load(St + row * 8)
+            if tl.load(St + row * 8 + 4) > 0.0:
+                frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
+                a, _, _, _ = _narrow(
+                    Cut, Zs, row, P, a, tl.load(St + row * 8 + 1), tl.load(St + row * 8 + 2),
+                    tl.load(St + row * 8 + 3), top_k, top_p, top_k < V, top_p < 1.0, frac,
+                    PB, NT,
+                )  # fmt: skip
+            tau = tl.maximum(tl.load(St + row * 8 + 5), a)
             if HAS_SEEDS:
                 seed = tl.load(Seeds + row)
             else:
                 seed = base_seed + row
+            base = Logits + row * stride_l
+            lo_col = p * CHUNK
+            hi_col = tl.minimum(lo_col + CHUNK, V)
+            offs = tl.arange(0, BLOCK)
             t_vec = tl.full([BLOCK], -float("inf"), tl.float32)
             j_vec = tl.zeros([BLOCK], tl.int32)
-            for start in range(0, V, BLOCK):
+            for start in range(lo_col, hi_col, BLOCK):
                 cols = start + offs
-                x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
-                u = tl.rand(seed, cols)
+                x = tl.load(base + cols, mask=cols < hi_col, other=-float("inf"))
+                u = tl.rand(seed, cols)  # the noise of a column: independent of the chunking
                 g = -tl.log(-tl.log(u))
                 score = tl.where(x >= tau, (x - m) * inv_t + g, -float("inf"))
                 up = score > t_vec
@@ -218,10 +329,42 @@ if HAS_TRITON:
                 t_vec = tl.where(up, score, t_vec)
             top = tl.max(t_vec, 0)
             best = tl.min(tl.where(t_vec == top, j_vec, V), 0)
-        tl.store(Out + row, best)
+            tl.store(Draw + (row * P + p) * 2, top)
+            tl.store(Draw + (row * P + p) * 2 + 1, best.to(tl.float32))
+
+    @triton.jit
+    def _pick_kernel(
+        Params,
+        Stats,
+        Draw,
+        Out,
+        StateRows,
+        Counts,
+        stride_p,
+        stride_c,
+        V,
+        P,
+        HAS_PEN: tl.constexpr,
+        PB: tl.constexpr,
+    ):
+        """Each row's token (greedy: the first maximum; else the chunks' best draw), and its
+        count in the penalty state."""
+        row = tl.program_id(0)
+        if tl.load(Params + 4 * stride_p + row) != 0.0:
+            _, best, _ = _row_stats(Stats, row, P, V, PB)
+        else:
+            offs = tl.arange(0, PB)
+            mask = offs < P
+            score = tl.load(Draw + (row * P + offs) * 2, mask=mask, other=-float("inf"))
+            idx = tl.load(Draw + (row * P + offs) * 2 + 1, mask=mask, other=V * 1.0)
+            top = tl.max(score, 0)
+            best = tl.min(tl.where(score == top, idx, V * 1.0), 0)
+        token = best.to(tl.int64)
+        tl.store(Out + row, token)
         if HAS_PEN:
+            s = tl.load(StateRows + row)
             if s >= 0:  # count the token drawn (one state row per batch row)
-                tl.atomic_add(Counts + s * stride_c + best, 1)
+                tl.atomic_add(Counts + s * stride_c + token, 1)
 
 
 def enabled(logits: torch.Tensor) -> bool:
@@ -287,7 +430,7 @@ def fused_sample(
     params: torch.Tensor,
     seeds: list[tuple[int, int, int]] | None = None,
     base_seed: int | None = None,
-    iters: int = 12,
+    iters: int = 6,
     extras: FusedPenalties | None = None,
     state=None,
 ) -> torch.Tensor:
@@ -295,11 +438,11 @@ def fused_sample(
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
     size when off), min_p, greedy (1.0 / 0.0). ``seeds``: ``(row, seed, output position)`` of
     seeded rows; the others draw from ``base_seed`` (random when None) plus the row index.
-    ``iters``: passes of the top-k / top-p cut search, each narrowing the logit range
-    ``_THRESHOLDS + 1`` times (12 passes reach fp32 resolution).
+    ``iters``: rounds of the top-k / top-p cut search, each narrowing the logit range
+    ``_THRESHOLDS + 1`` times (6 rounds: ~24 bits, fp32 resolution for logits of a few tens).
     ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
-    first, in one kernel with the draw."""
+    first, in the kernel that starts the draw."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
@@ -312,38 +455,100 @@ def fused_sample(
         for row, seed, position in seeds:
             per_row[row] = row_seed(seed, position)
         seed_t = torch.tensor(per_row, dtype=torch.int64).to(logits.device, non_blocking=True)
-    block = min(4096, triton.next_power_of_2(vocab))
+    block = min(_CHUNK, triton.next_power_of_2(vocab))  # a chunk: one program's columns
+    chunks = triton.cdiv(vocab, block)
+    pb = triton.next_power_of_2(chunks)
+    sblock = max(1, block // 8)  # two iterations of four loads per chunk and round
     has_pen = extras is not None and extras.state_rows is not None
     has_bias = extras is not None and extras.bias_ptr is not None
     counts = state.counts if has_pen else out
     in_prompt = state.in_prompt.view(torch.int8) if has_pen else out
     coef = extras.coef if has_pen else params
-    _sample_kernel[(bs,)](
+    state_rows = extras.state_rows if has_pen else out
+    dev = logits.device
+    stats = torch.empty(bs, chunks, 3, dtype=torch.float32, device=dev)
+    zs = torch.empty(bs, chunks, dtype=torch.float32, device=dev)
+    cut = torch.empty(2, bs, chunks, 2, _THRESHOLDS, dtype=torch.float32, device=dev)
+    st = torch.empty(2, bs, 8, dtype=torch.float32, device=dev)
+    draw = torch.empty(bs, chunks, 2, dtype=torch.float32, device=dev)
+    grid = (bs, chunks)
+    _prep_kernel[grid](
         logits,
-        params,
-        seed_t,
-        out,
-        extras.state_rows if has_pen else out,
+        state_rows,
         counts,
         in_prompt,
         coef,
         extras.bias_ptr if has_bias else out,
         extras.bias_cols if has_bias else out,
         extras.bias_vals if has_bias else params,
+        stats,
         logits.stride(0),
-        params.stride(0),
         counts.stride(0),
         in_prompt.stride(0),
         coef.stride(0),
-        base_seed,
         vocab,
-        HAS_SEEDS=bool(seeds),
+        chunks,
         HAS_PEN=has_pen,
         HAS_BIAS=has_bias,
+        CHUNK=block,
         BLOCK=block,
-        SBLOCK=min(block, 1024),
+        num_warps=8,
+    )
+    for r in range(iters):
+        _round_kernel[grid](
+            logits,
+            params,
+            stats,
+            zs,
+            cut[(r - 1) % 2],
+            cut[r % 2],
+            st[(r - 1) % 2],
+            st[r % 2],
+            logits.stride(0),
+            params.stride(0),
+            vocab,
+            chunks,
+            FIRST=r == 0,
+            CHUNK=block,
+            SBLOCK=sblock,
+            PB=pb,
+            NT=_THRESHOLDS,
+            num_warps=8,
+        )
+    last = (iters - 1) % 2
+    _draw_kernel[grid](
+        logits,
+        params,
+        seed_t,
+        stats,
+        zs,
+        cut[last],
+        st[last],
+        draw,
+        logits.stride(0),
+        params.stride(0),
+        base_seed,
+        vocab,
+        chunks,
+        HAS_SEEDS=bool(seeds),
+        CHUNK=block,
+        BLOCK=block,
+        PB=pb,
         NT=_THRESHOLDS,
-        ITERS=iters,
-        num_warps=8,  # one program per row: more warps hide the passes' load and exp latency
+        num_warps=8,
+    )
+    _pick_kernel[(bs,)](
+        params,
+        stats,
+        draw,
+        out,
+        state_rows,
+        counts,
+        params.stride(0),
+        counts.stride(0),
+        vocab,
+        chunks,
+        HAS_PEN=has_pen,
+        PB=pb,
     )
     return out

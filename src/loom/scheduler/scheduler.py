@@ -902,7 +902,7 @@ class Scheduler:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
         if plan.fused is not None:
-            # One kernel: penalties, bias, the draw, and the counts of the drawn tokens. The
+            # Fused kernels: penalties, bias, the draw, and the counts of the drawn tokens. The
             # grammar's mask goes first (its -inf entries stay -inf under both).
             if plan.has_grammar:
                 self._apply_grammar_masks(logits, reqs)
