@@ -30,14 +30,14 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
-# Next session's plan (carry .whl .whl2 .tok; .whl/fi-jit.txz spares FlashInfer's JIT builds;
-# .whl2 now has pyzmq for --engine-backend process):
-#   call 1: quick4 + the fp8 FlashInfer test (tests/gpu -k fp8), wlfp8 (FlashInfer over an fp8
-#           KV cache), ficache (keep the fp8 modules it JIT-compiled)
-#   call 2: wlsplits (Triton decode splits at scale), wl8bfi (FlashInfer decode, same run)
-#   call 3: sampling, sampling8b2 (the per-lane sampling kernel), structured, structured8bx,
-#           ggufpart (carry .gguf/smollm2.gguf.part-00 and .md5)
-#   call 4 (at once, while warm): ggufpart then bf16parity (carry .gguf/smollm2.gguf.part-01)
+# Next session's plan (carry .whl, 31 MB with FlashInfer's JIT modules incl. fp8; .whl2 + .tok for
+# the structured sections; the machine's start took ~1 min of device time in session 5):
+#   call 1: quick5 (incl. the multi-chunk sampling kernels on a 128,256-wide row, the fp8 Triton
+#           decode test), sampling8b, sampling (the multi-program sampling kernels; the first
+#           penalties run of each section compiles: compare the second)
+#   call 2: wl8b (the 1000-request workload on the default) and wl8b --kv-cache-dtype fp8_e4m3
+#           (the new fp8 auto: Triton decode up to batch 32, FlashInfer above), structured
+#           (SmolLM2, now with the whole llguidance batch-16 row: give it 200 s)
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
 section=${2:?usage: bench/h200_more.sh OUTDIR SECTION}
