@@ -31,14 +31,16 @@ def setup(bs: int, ctx: int, kv_dtype=torch.bfloat16):
     return q, k, v, table, rows, lens
 
 
-def triton_time(bs, ctx, splits, dot, kv_dtype=torch.bfloat16):
+def triton_time(bs, ctx, splits, dot, kv_dtype=torch.bfloat16, block_n=None):
     q, k, v, table, rows, lens = setup(bs, ctx, kv_dtype)
     mid_o = torch.empty(bs, HQ, splits, D, device="cuda", dtype=torch.float32)
     mid_l = torch.empty(bs, HQ, splits, device="cuda", dtype=torch.float32)
     out = torch.empty_like(q)
 
     def fn():
-        decode_attention(q, k, v, table, rows, lens, D**-0.5, splits, mid_o, mid_l, out, dot)
+        decode_attention(
+            q, k, v, table, rows, lens, D**-0.5, splits, mid_o, mid_l, out, dot, block_n
+        )
 
     fn()
     return do_bench_cudagraph(fn, rep=50)
@@ -116,6 +118,13 @@ def run_row(bs: int, ctx: int, results: str | None) -> None:
             name = f"{kind}-triton-{splits}"
             try:
                 times[name] = triton_time(bs, ctx, splits, True, kv_dtype) * 1000
+            except Exception as e:  # noqa: BLE001
+                times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    for kind, kv_dtype in kv_kinds.items():  # 128-token tiles: twice the bytes per round trip
+        for splits in (1, 16):
+            name = f"{kind}-triton-{splits}-n128"
+            try:
+                times[name] = triton_time(bs, ctx, splits, True, kv_dtype, 128) * 1000
             except Exception as e:  # noqa: BLE001
                 times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
     if have_fi:
