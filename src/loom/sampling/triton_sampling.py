@@ -132,6 +132,16 @@ if HAS_TRITON:
         tl.store(out + 2, tl.min(lo_vec, 0))
 
     @triton.jit
+    def _row_params(Params, stride_p, row):
+        """A row's temperature, top_p, top_k (the vocabulary size when off) and min_p."""
+        return (
+            tl.load(Params + row),
+            tl.load(Params + stride_p + row),
+            tl.load(Params + 2 * stride_p + row),
+            tl.load(Params + 3 * stride_p + row),
+        )
+
+    @triton.jit
     def _row_stats(Stats, row, P, V, PB: tl.constexpr):
         """The row's maximum, its first index and its smallest finite logit, from the chunks'."""
         offs = tl.arange(0, PB)
@@ -200,10 +210,7 @@ if HAS_TRITON:
         row = tl.program_id(0)
         p = tl.program_id(1)
         if tl.load(Params + 4 * stride_p + row) == 0.0:  # greedy rows are done
-            temp = tl.load(Params + row)
-            top_p = tl.load(Params + stride_p + row)
-            top_k = tl.load(Params + 2 * stride_p + row)
-            min_p = tl.load(Params + 3 * stride_p + row)
+            temp, top_p, top_k, min_p = _row_params(Params, stride_p, row)
             inv_t = 1.0 / temp
             use_k = top_k < V
             use_p = top_p < 1.0
@@ -294,9 +301,7 @@ if HAS_TRITON:
         row = tl.program_id(0)
         p = tl.program_id(1)
         if tl.load(Params + 4 * stride_p + row) == 0.0:
-            temp = tl.load(Params + row)
-            top_p = tl.load(Params + stride_p + row)
-            top_k = tl.load(Params + 2 * stride_p + row)
+            temp, top_p, top_k, _ = _row_params(Params, stride_p, row)
             inv_t = 1.0 / temp
             m, _, _ = _row_stats(Stats, row, P, V, PB)
             a = tl.load(St + row * 8)
