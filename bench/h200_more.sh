@@ -36,7 +36,9 @@
 #           decode test), sampling8b, sampling (the multi-program sampling kernels; the first
 #           penalties run of each section compiles: compare the second)
 #   call 2: wl8b (the 1000-request workload on the default) and wl8b --kv-cache-dtype fp8_e4m3
-#           (the new fp8 auto: Triton decode up to batch 32, FlashInfer above), structured
+#           (the new fp8 auto: Triton decode up to batch 32, FlashInfer above), wl8b
+#           --enable-mixed-chunk (decode rides along the ~90 small capacity-limited prefills),
+#           attn (128-token Triton tiles over fp8), structured
 #           (SmolLM2, now with the whole llguidance batch-16 row: give it 200 s)
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
