@@ -31,7 +31,7 @@ def setup(bs: int, ctx: int, kv_dtype=torch.bfloat16):
     return q, k, v, table, rows, lens
 
 
-def triton_time(bs, ctx, splits, dot, kv_dtype=torch.bfloat16, block_n=None):
+def triton_time(bs, ctx, splits, dot, kv_dtype=torch.bfloat16, block_n=None, launch=None):
     q, k, v, table, rows, lens = setup(bs, ctx, kv_dtype)
     mid_o = torch.empty(bs, HQ, splits, D, device="cuda", dtype=torch.float32)
     mid_l = torch.empty(bs, HQ, splits, device="cuda", dtype=torch.float32)
@@ -39,8 +39,9 @@ def triton_time(bs, ctx, splits, dot, kv_dtype=torch.bfloat16, block_n=None):
 
     def fn():
         decode_attention(
-            q, k, v, table, rows, lens, D**-0.5, splits, mid_o, mid_l, out, dot, block_n
-        )
+            q, k, v, table, rows, lens, D**-0.5, splits, mid_o, mid_l, out, dot, block_n,
+            **(launch or {}),
+        )  # fmt: skip
 
     fn()
     return do_bench_cudagraph(fn, rep=50)
@@ -120,11 +121,22 @@ def run_row(bs: int, ctx: int, results: str | None) -> None:
                 times[name] = triton_time(bs, ctx, splits, True, kv_dtype) * 1000
             except Exception as e:  # noqa: BLE001
                 times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
-    for kind, kv_dtype in kv_kinds.items():  # 128-token tiles: twice the bytes per round trip
-        for splits in (1, 16):
-            name = f"{kind}-triton-{splits}-n128"
+    # Tile and launch variants at each shape's best split count (1 from batch 64, else 16):
+    # 128-token tiles carry twice the bytes per load round trip; more warps or pipeline stages
+    # keep more loads in flight per SM.
+    splits = 1 if bs >= 64 else 16
+    variants = {
+        "n128": (128, None),
+        "w8": (None, {"num_warps": 8}),
+        "n128-w8": (128, {"num_warps": 8}),
+        "s2": (None, {"num_stages": 2}),
+        "s4": (None, {"num_stages": 4}),
+    }
+    for kind, kv_dtype in kv_kinds.items():
+        for tag, (block_n, launch) in variants.items():
+            name = f"{kind}-triton-{splits}-{tag}"
             try:
-                times[name] = triton_time(bs, ctx, splits, True, kv_dtype, 128) * 1000
+                times[name] = triton_time(bs, ctx, splits, True, kv_dtype, block_n, launch) * 1000
             except Exception as e:  # noqa: BLE001
                 times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
     if have_fi:

@@ -38,7 +38,8 @@
 #   call 2: wl8b (the 1000-request workload on the default) and wl8b --kv-cache-dtype fp8_e4m3
 #           (the new fp8 auto: Triton decode up to batch 32, FlashInfer above), wl8b
 #           --enable-mixed-chunk (decode rides along the ~90 small capacity-limited prefills),
-#           attn (128-token Triton tiles over fp8), structured
+#           attn (128-token tiles, 8 warps, 2-4 pipeline stages for the Triton decode over bf16
+#           and fp8: which makes fp8 reads pay), structured
 #           (SmolLM2, now with the whole llguidance batch-16 row: give it 200 s)
 set -uo pipefail
 out=${1:?usage: bench/h200_more.sh OUTDIR SECTION}
@@ -231,7 +232,7 @@ structured8bx)
   done
   ;;
 attn)
-  $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | tail -12 | tee -a "$log"
+  $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | grep -E "^bs|rror" | tee -a "$log"
   ;;
 b1lite)
   latency "8b-b1-triton" --model $L8 --batch-size 1 --input-len 128 --output-len 256 --attention-backend triton

@@ -193,6 +193,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     use_dot: bool | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
@@ -200,7 +202,9 @@ def decode_attention(
     probabilities are rounded to the query dtype for the second product, as FlashInfer does)
     instead of fp32 broadcast products. Default: see ``_DECODE_VARIANT``. ``block_n``: KV tokens
     per loop iteration (default 64 for the dot variant, 32 for the plain one; for measuring,
-    e.g. 128 over an fp8 cache, whose 64-token tiles carry half the bytes per round trip)."""
+    e.g. 128 over an fp8 cache, whose 64-token tiles carry half the bytes per round trip);
+    ``num_warps`` / ``num_stages``: Triton's launch options (default: Triton's), also for
+    measuring (bench/attn_micro.py)."""
     if use_dot is None:
         if _DECODE_VARIANT in ("dot", "plain"):
             use_dot = _DECODE_VARIANT == "dot"
@@ -248,6 +252,7 @@ def decode_attention(
         USE_DOT=use_dot,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in _FP8,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     _decode_stage2[(bs, num_heads)](
         mid_o,
