@@ -250,6 +250,41 @@ def test_fused_kernel_applies_penalties_and_bias_then_counts_the_token():
 
 
 @_INTERPRETER
+def test_fused_kernel_applies_a_grammar_bitmask_after_penalties_and_bias():
+    """A grammar's packed bitmask (bit set: allowed), applied inside the fused kernels after
+    penalties and bias, masks the logits in place exactly as xgrammar's own kernel does on the
+    penalised logits; greedy rows take the best allowed token, sampled rows draw only allowed
+    ones."""
+    xgr = pytest.importorskip("xgrammar")
+    from loom.sampling.triton_sampling import FusedPenalties, fused_sample
+
+    rows, vocab = 6, 40  # two mask words, the second partly used
+    state, state_rows, coef, bias = _penalty_case(rows, vocab, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.3
+    allowed[:, 7] = True
+    bits = torch.zeros(rows, 2, dtype=torch.int64)
+    for r, c in allowed.nonzero().tolist():
+        bits[r, c // 32] |= 1 << (c % 32)
+    mask = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    want = _penalised_reference(logits, state, state_rows, coef, bias)
+    xgr.apply_token_bitmask_inplace(want, mask)  # the library's kernel as the oracle
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(top_p=0.9)] * 3
+    info = SamplingBatchInfo.build(
+        params, [0] * rows, vocab, torch.device("cpu"), with_params=True
+    )  # fmt: skip
+    extras = FusedPenalties.build(state_rows, coef, bias, torch.device("cpu"))
+    got = logits.clone()
+    tokens = fused_sample(
+        got, info.params, [], iters=3, extras=extras, state=state, vocab_mask=mask
+    )  # fmt: skip
+    torch.testing.assert_close(got, want)  # applied in place
+    assert torch.equal(tokens[:3], want[:3].argmax(dim=-1))
+    assert all(allowed[r, t] for r, t in enumerate(tokens.tolist()))
+
+
+@_INTERPRETER
 def test_fused_kernel_with_penalties_samples_the_penalised_softmax():
     from loom.sampling.triton_sampling import FusedPenalties, fused_sample
     from tests.test_sampling_params import _chi2_p

@@ -69,15 +69,19 @@ if HAS_TRITON:
         BiasPtr,  # [bs + 1] int64 CSR offsets into BiasCols / BiasVals, when HAS_BIAS
         BiasCols,
         BiasVals,
+        Mask,  # [bs, W] int32 grammar bitmask (bit set: allowed), when HAS_MASK
         Stats,  # [bs, P, 3] fp32: the chunk's maximum, its first index, smallest finite logit
         stride_l,
         stride_c,
         stride_ip,
         stride_coef,
+        stride_m,
+        W,
         V,
         P,
         HAS_PEN: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        HAS_MASK: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -120,6 +124,10 @@ if HAS_TRITON:
         for start in range(lo_col, hi_col, BLOCK):
             cols = start + offs
             x = tl.load(base + cols, mask=cols < hi_col, other=-float("inf"))
+            if HAS_MASK:  # the grammar's bitmask, last: its -inf entries stay -inf under all
+                words = tl.load(Mask + row * stride_m + cols // 32, mask=cols // 32 < W, other=-1)
+                x = tl.where(((words >> (cols % 32)) & 1) != 0, x, -float("inf"))
+                tl.store(base + cols, x, mask=cols < hi_col)
             up = x > m_vec  # strict: a lane keeps its first maximum
             i_vec = tl.where(up, cols, i_vec)
             m_vec = tl.where(up, x, m_vec)
@@ -438,6 +446,7 @@ def fused_sample(
     iters: int = 6,
     extras: FusedPenalties | None = None,
     state=None,
+    vocab_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]`` (row stride may exceed the width).
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
@@ -447,7 +456,9 @@ def fused_sample(
     ``_THRESHOLDS + 1`` times (6 rounds: ~24 bits, fp32 resolution for logits of a few tens).
     ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
-    first, in the kernel that starts the draw."""
+    first, in the kernel that starts the draw. ``vocab_mask``: a grammar bitmask on the device
+    (``[bs, words]`` int32, 32 tokens a word, bit set = allowed; the grammar family's format),
+    applied in place there too, after them."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
@@ -486,15 +497,19 @@ def fused_sample(
         extras.bias_ptr if has_bias else out,
         extras.bias_cols if has_bias else out,
         extras.bias_vals if has_bias else params,
+        vocab_mask if vocab_mask is not None else out,
         stats,
         logits.stride(0),
         counts.stride(0),
         in_prompt.stride(0),
         coef.stride(0),
+        vocab_mask.stride(0) if vocab_mask is not None else 0,
+        vocab_mask.shape[1] if vocab_mask is not None else 0,
         vocab,
         chunks,
         HAS_PEN=has_pen,
         HAS_BIAS=has_bias,
+        HAS_MASK=vocab_mask is not None,
         CHUNK=block,
         BLOCK=block,
         num_warps=8,

@@ -902,12 +902,16 @@ class Scheduler:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
         if plan.fused is not None:
-            # Fused kernels: penalties, bias, the draw, and the counts of the drawn tokens. The
-            # grammar's mask goes first (its -inf entries stay -inf under both).
-            if plan.has_grammar:
-                self._apply_grammar_masks(logits, reqs)
+            # Fused kernels: penalties, bias, the grammar's mask (its -inf entries stay -inf
+            # under all of them), the draw, and the counts of the drawn tokens.
+            mask = self._grammar_masks(logits, reqs) if plan.has_grammar else None
             tokens = fused_sample(
-                logits, info.params, info.seeds, extras=plan.fused, state=self.penalties
+                logits,
+                info.params,
+                info.seeds,
+                extras=plan.fused,
+                state=self.penalties,
+                vocab_mask=mask,
             )
             return self._finish_sampled(tokens, raw, reqs, want_lp)
         if plan.penalties is not None:
@@ -1044,15 +1048,20 @@ class Scheduler:
         return FusedPenalties.build(state_rows, coef, bias, dev)
 
     def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        """Each constrained row's allowed tokens, filled on the host (on a GPU this overlaps
-        the forward pass just launched) and applied in place with the library's kernel."""
+        """Each constrained row's allowed tokens, applied in place with the library's kernel
+        (the fused sampling kernels apply the mask themselves)."""
+        self.grammar_mgr.backend.apply_vocab_mask(logits, self._grammar_masks(logits, reqs))
+
+    def _grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """The step's grammar bitmask on ``logits``' device, filled on the host (on a GPU this
+        overlaps the forward pass just launched) and copied without a sync."""
         backend = self.grammar_mgr.backend
         mask = self._host_vocab_mask(backend, len(reqs), logits.device)
         # (a request that finished while this step's forward ran keeps an unmasked row; its
         # token is discarded)
         rows = [i for i, req in enumerate(reqs) if req.grammar is not None and not req.is_finished]
         backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
-        backend.apply_vocab_mask(logits, mask.to(logits.device, non_blocking=True))
+        return mask.to(logits.device, non_blocking=True)
 
     def _host_vocab_mask(self, backend, bs: int, device: torch.device) -> torch.Tensor:
         """The host bitmask for this step. On CUDA: alternate halves of two pinned buffers, so
