@@ -514,6 +514,7 @@ def fused_sample(
         BLOCK=block,
         num_warps=8,
     )
+    iters = max(1, iters)  # the first round sets each row's interval up
     for r in range(iters):
         _round_kernel[grid](
             logits,
