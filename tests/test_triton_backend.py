@@ -192,8 +192,10 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group):
         (torch.bfloat16, torch.float8_e5m2),
     ],
 )
-@pytest.mark.parametrize("block_n", [None, 128])
-def test_decode_default_variant_in_half_precision_matches_dense_attention(dtype, kv_dtype, block_n):
+@pytest.mark.parametrize("block_n,prefetch", [(None, False), (128, False), (None, True)])
+def test_decode_default_variant_in_half_precision_matches_dense_attention(
+    dtype, kv_dtype, block_n, prefetch
+):
     """fp16/bf16 take the tl.dot variant by default (the GPU default for half-precision
     models); over an fp8 cache its dots run in fp16. Triton's CPU interpreter computes tl.dot on
     bf16 wrongly (a 16x16 bf16 tl.dot alone is off by ~1e10 there, fp16 is exact), so a bf16
@@ -221,6 +223,7 @@ def test_decode_default_variant_in_half_precision_matches_dense_attention(dtype,
         head_dim**-0.5,
         8,
         block_n=block_n,
+        prefetch=prefetch,
     )
     assert out.dtype == dtype
     for r, n in enumerate(lens):

@@ -66,6 +66,7 @@ def _decode_stage1(
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP16: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,10 +97,18 @@ def _decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # PREFETCH: the next tile's slots load while this tile's K/V are in flight, so each
+    # iteration waits on one round trip instead of two (slots, then the K/V they point to)
+    if PREFETCH:
+        first = start + tl.arange(0, BLOCK_N)
+        loc = tl.load(ReqToToken + row * stride_rt + first, mask=first < end, other=0)
+    else:
+        loc = tl.zeros([BLOCK_N], ReqToToken.dtype.element_ty)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        loc = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+        if not PREFETCH:
+            loc = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
         k = tl.load(
             K + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
@@ -111,6 +120,9 @@ def _decode_stage1(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if PREFETCH:
+            nxt = offs_n + BLOCK_N
+            loc = tl.load(ReqToToken + row * stride_rt + nxt, mask=nxt < end, other=0)
         if USE_DOT:  # the GQA group, padded to 16 rows, on tensor cores
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
             s = s * scale
@@ -195,6 +207,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
@@ -204,7 +217,8 @@ def decode_attention(
     per loop iteration (default 64 for the dot variant, 32 for the plain one; for measuring,
     e.g. 128 over an fp8 cache, whose 64-token tiles carry half the bytes per round trip);
     ``num_warps`` / ``num_stages``: Triton's launch options (default: Triton's), also for
-    measuring (bench/attn_micro.py)."""
+    measuring (bench/attn_micro.py); ``prefetch``: load the next tile's slot indices while this
+    tile's K/V are in flight (for measuring)."""
     if use_dot is None:
         if _DECODE_VARIANT in ("dot", "plain"):
             use_dot = _DECODE_VARIANT == "dot"
@@ -252,6 +266,7 @@ def decode_attention(
         USE_DOT=use_dot,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in _FP8,
+        PREFETCH=prefetch,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     _decode_stage2[(bs, num_heads)](
