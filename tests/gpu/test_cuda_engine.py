@@ -299,6 +299,37 @@ def test_cuda_fused_sampling_follows_the_filtered_softmax():
         assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
 
 
+def test_cuda_fused_sampling_applies_a_grammar_bitmask():
+    """A grammar bitmask over a Llama-3-sized vocabulary (32 chunks a row), applied inside the
+    fused sampling kernels: the logits are masked in place exactly as xgrammar's own CUDA
+    kernel masks them, greedy rows take the best allowed token and sampled rows draw only
+    allowed ones."""
+    xgr = pytest.importorskip("xgrammar")
+    from loom.sampling.sampler import SamplingBatchInfo
+    from loom.sampling.sampling_params import SamplingParams
+    from loom.sampling.triton_sampling import fused_sample
+
+    rows, vocab = 8, 128_256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    allowed = torch.rand(rows, vocab, device="cuda", generator=gen) < 0.01
+    words = (vocab + 31) // 32
+    padded = torch.zeros(rows, words * 32, dtype=torch.bool, device="cuda")
+    padded[:, :vocab] = allowed
+    weights = 2 ** torch.arange(32, dtype=torch.int64, device="cuda")
+    bits = (padded.view(rows, words, 32).long() * weights).sum(-1)
+    mask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, mask)
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(top_p=0.9, top_k=50)] * 4
+    info = SamplingBatchInfo.build(params, [0] * rows, vocab, torch.device("cuda"))
+    got = logits.clone()
+    tokens = fused_sample(got, info.params, [], vocab_mask=mask)
+    assert torch.equal(got, want)
+    assert torch.equal(tokens[:4], want[:4].argmax(dim=-1))
+    assert allowed[torch.arange(rows, device="cuda"), tokens].all()
+
+
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
 def test_large_batches_replay_graphs_exactly(tmp_path, backend):
     """300 requests in bf16 (graph buckets up to 320, the tl.dot Triton decode): replayed CUDA
