@@ -32,8 +32,9 @@
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
 # Next session's plan (carry .whl, 31 MB with FlashInfer's JIT modules incl. fp8; .whl2 + .tok for
 # the structured sections; the machine's start took ~1 min of device time in session 5):
-#   call 1: quick5 (incl. the multi-chunk sampling kernels on a 128,256-wide row, the fp8 Triton
-#           decode test), sampling8b, sampling (the multi-program sampling kernels; the first
+#   call 1 (carry .whl and .whl2: xgrammar is the oracle of the fused-bitmask GPU test): quick5
+#           (incl. the multi-chunk sampling kernels on a 128,256-wide row, the fused grammar
+#           bitmask, the fp8 Triton decode test), sampling8b, sampling (the multi-program sampling kernels; the first
 #           penalties run of each section compiles: compare the second)
 #   call 2: wl8b (the 1000-request workload on the default) and wl8b --kv-cache-dtype fp8_e4m3
 #           (the new fp8 auto: Triton decode up to batch 32, FlashInfer above), wl8b
