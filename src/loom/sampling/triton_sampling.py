@@ -184,6 +184,25 @@ if HAS_TRITON:
         return a_new, b, cnt_a, cnt_b
 
     @triton.jit
+    def _next_interval(St, Cut, Zs, row, P, top_k, top_p, use_k, use_p, frac,
+                       PB: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """A row's search state after the previous round (its state ``St`` and the chunks'
+        counts ``Cut``): a, b, cnt_a, cnt_b, whether to search on, and min-p's cut tau0."""
+        a = tl.load(St + row * 8)
+        b = tl.load(St + row * 8 + 1)
+        cnt_a = tl.load(St + row * 8 + 2)
+        cnt_b = tl.load(St + row * 8 + 3)
+        searching = tl.load(St + row * 8 + 4) > 0.0
+        if searching:
+            a, b, cnt_a, cnt_b = _narrow(
+                Cut, Zs, row, P, a, b, cnt_a, cnt_b, top_k, top_p, use_k, use_p, frac, PB, NT
+            )
+            # once [a, b) holds at most one logit, narrowing it cannot change the kept set
+            # {x >= a}: the search is over
+            searching = cnt_a - cnt_b > 1.0
+        return a, b, cnt_a, cnt_b, searching, tl.load(St + row * 8 + 5)
+
+    @triton.jit
     def _cut_counts(x, m, inv_t, mids, c2, s2, z_vec, FIRST: tl.constexpr):
         """One block of a search round: per-lane counts and masses above each threshold, and
         (first round) the normaliser's partial sums."""
@@ -234,20 +253,9 @@ if HAS_TRITON:
                 cnt_b = 0.0
                 searching = use_k | use_p
             else:
-                a = tl.load(StIn + row * 8)
-                b = tl.load(StIn + row * 8 + 1)
-                cnt_a = tl.load(StIn + row * 8 + 2)
-                cnt_b = tl.load(StIn + row * 8 + 3)
-                searching = tl.load(StIn + row * 8 + 4) > 0.0
-                tau0 = tl.load(StIn + row * 8 + 5)
-                if searching:
-                    a, b, cnt_a, cnt_b = _narrow(
-                        CutIn, Zs, row, P, a, b, cnt_a, cnt_b, top_k, top_p, use_k, use_p,
-                        frac, PB, NT,
-                    )  # fmt: skip
-                    # once [a, b) holds at most one logit, narrowing it cannot change the
-                    # kept set {x >= a}: the search is over
-                    searching = cnt_a - cnt_b > 1.0
+                a, b, cnt_a, cnt_b, searching, tau0 = _next_interval(
+                    StIn, CutIn, Zs, row, P, top_k, top_p, use_k, use_p, frac, PB, NT
+                )
             if p == 0:
                 tl.store(StOut + row * 8, a)
                 tl.store(StOut + row * 8 + 1, b)
@@ -312,15 +320,11 @@ if HAS_TRITON:
             temp, top_p, top_k, _ = _row_params(Params, stride_p, row)
             inv_t = 1.0 / temp
             m, _, _ = _row_stats(Stats, row, P, V, PB)
-            a = tl.load(St + row * 8)
-            if tl.load(St + row * 8 + 4) > 0.0:
-                frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
-                a, _, _, _ = _narrow(
-                    Cut, Zs, row, P, a, tl.load(St + row * 8 + 1), tl.load(St + row * 8 + 2),
-                    tl.load(St + row * 8 + 3), top_k, top_p, top_k < V, top_p < 1.0, frac,
-                    PB, NT,
-                )  # fmt: skip
-            tau = tl.maximum(tl.load(St + row * 8 + 5), a)
+            frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
+            a, _, _, _, _, tau0 = _next_interval(
+                St, Cut, Zs, row, P, top_k, top_p, top_k < V, top_p < 1.0, frac, PB, NT
+            )
+            tau = tl.maximum(tau0, a)
             if HAS_SEEDS:
                 seed = tl.load(Seeds + row)
             else:
