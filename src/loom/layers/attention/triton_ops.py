@@ -22,16 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.mem_cache.memory_pool import FP8_DTYPES
+
 # Decode variant: "dot" runs each GQA group on tensor cores (tl.dot, group padded to 16 rows),
 # "plain" uses broadcast products in fp32. Default: dot for fp16/bf16, plain (exact) for fp32.
 # On the H200 (bench/attn_micro.py, Llama-3-8B heads, docs/benchmarks.md) dot took 5.6 vs 9.8 us
 # at batch 1 / 256 tokens and 82 vs 504 us at batch 64 / 1,024 tokens (FlashInfer: 10.4, 77 us).
 _DECODE_VARIANT = os.environ.get("LOOM_TRITON_DECODE", "")
-# fp8 K/V under a 16-bit query: the dots run in fp16 (the query rounded from bf16, the
-# probabilities in [0, 1]), since fp8 -> fp16 is one conversion instruction per two elements and
-# fp8 -> bf16 goes through fp32. With bf16 dots the H200 decoded slower over an fp8 cache than
-# over bf16 (docs/benchmarks.md, session 4).
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# fp8 K/V (FP8_DTYPES) under a 16-bit query: the dots run in fp16 (the query rounded from bf16,
+# the probabilities in [0, 1]), since fp8 -> fp16 is one conversion instruction per two elements
+# and fp8 -> bf16 goes through fp32. With bf16 dots the H200 decoded slower over an fp8 cache
+# than over bf16 (docs/benchmarks.md, session 4).
 
 
 @triton.jit
@@ -91,7 +92,9 @@ def _decode_stage1(
     )
     if not USE_DOT:
         q = q.to(tl.float32)
-    elif DOT_FP16:  # fp8 K/V: fp16 dots (see _FP8); a bf16 query is clamped to fp16's range
+    elif (
+        DOT_FP16
+    ):  # fp8 K/V: fp16 dots (see FP8_DTYPES above); a bf16 query is clamped to fp16's range
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -102,8 +105,6 @@ def _decode_stage1(
     if PREFETCH:
         first = start + tl.arange(0, BLOCK_N)
         loc = tl.load(ReqToToken + row * stride_rt + first, mask=first < end, other=0)
-    else:
-        loc = tl.zeros([BLOCK_N], ReqToToken.dtype.element_ty)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -265,7 +266,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         USE_DOT=use_dot,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in _FP8,
+        DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in FP8_DTYPES,
         PREFETCH=prefetch,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
