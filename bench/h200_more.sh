@@ -8,7 +8,8 @@
 #   parity     bench/gpu_parity.py with peaked random weights (--init-range 0.1), every backend
 #   structured constrained vs free decoding (needs .whl2: xgrammar, llguidance, pydantic; and
 #              .tok: the SmolLM2 tokenizer saved with save_pretrained)
-#   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape)
+#   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape, 512 out)
+#   structuredx SmolLM2 structured, xgrammar only
 #   tritondot  Loom's Triton decode: LOOM_TRITON_DECODE=plain vs dot (the fp16/bf16 default)
 #   wl8b [flags]  the 1000-request 8B workload alone; wltriton: the same on Triton attention;
 #              wlfp8: the same with --kv-cache-dtype fp8_e4m3
@@ -225,6 +226,14 @@ wl8bfi)
 smol256)
   offline "smol-256-random" --model $SM --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
   ;;
+structuredx)
+  # SmolLM2, xgrammar only (the default backend): host-bound steps, the fused bitmask's case
+  for bs in 1 16; do
+    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+      --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
+      --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+  done
+  ;;
 structured8bx)
   for bs in 1 16; do
     $py -m loom.cli bench structured --model bench/configs/llama-3-8b-smolvocab.json --load-format dummy \
@@ -293,7 +302,7 @@ tritondot)
   ;;
 sampling)
   for s in greedy penalties greedy penalties; do
-    offline "smol-b32-$s" --model $SM --num-prompts 32 --input-len 128 --output-len 128 --max-running-requests 32 --sampling $s
+    offline "smol-b32-$s" --model $SM --num-prompts 32 --input-len 128 --output-len 512 --max-running-requests 32 --sampling $s
   done
   ;;
 esac
