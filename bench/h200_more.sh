@@ -195,7 +195,7 @@ quicktests)
 quick5)
   # session 5: Triton decode splits by batch size and fp16 dots over fp8 K/V, the fp8 auto
   # switch, the 8-threshold cut search in the sampling kernel
-  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -40 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
 quick4)

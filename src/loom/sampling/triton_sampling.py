@@ -85,7 +85,7 @@ if HAS_TRITON:
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
         p = tl.program_id(1)
         base = Logits + row * stride_l
         lo_col = p * CHUNK
@@ -234,7 +234,7 @@ if HAS_TRITON:
         PB: tl.constexpr,
         NT: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
         p = tl.program_id(1)
         if tl.load(Params + 4 * stride_p + row) == 0.0:  # greedy rows are done
             temp, top_p, top_k, min_p = _row_params(Params, stride_p, row)
@@ -314,7 +314,7 @@ if HAS_TRITON:
         NT: tl.constexpr,
     ):
         """The Gumbel-max draw over {x >= tau} in one chunk, after the last round's step."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
         p = tl.program_id(1)
         if tl.load(Params + 4 * stride_p + row) == 0.0:
             temp, top_p, top_k, _ = _row_params(Params, stride_p, row)
@@ -366,7 +366,7 @@ if HAS_TRITON:
     ):
         """Each row's token (greedy: the first maximum; else the chunks' best draw), and its
         count in the penalty state."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
         if tl.load(Params + 4 * stride_p + row) != 0.0:
             _, best, _ = _row_stats(Stats, row, P, V, PB)
         else:
