@@ -17,7 +17,8 @@
 #   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
 #   kprof, kprof512, kprofpre  per-kernel profiles (bench/gpu_kernel_profile.py; kprofpre: prefill;
 #              kprofdec [k=v ...]: the decode steps alone at batch 512)
-#   quicktests the GPU tests of the newest kernels
+#   quicktests the GPU tests of the newest kernels; quickfused: the fused sampling ones
+#   samplinghost  host / device us per sampling call (bench/sampling_host.py)
 #   pyspy      py-spy profiles of the host in the structured and sampling runs (needs .whl2)
 #   structured8b, sampling8b  issue 6 / 7 figures on Llama-3-8B's body (GPU-bound steps)
 #   bf16parity [GGUF]  bench/bf16_parity.py on the default model's weights (default: the one
@@ -197,6 +198,13 @@ quick5)
   # switch, the 8-threshold cut search in the sampling kernel
   $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -40 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  ;;
+quickfused)
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -30 | tee -a "$log"
+  ;;
+samplinghost)
+  # host and device microseconds per sampling call, per variant (bench/sampling_host.py)
+  $py bench/sampling_host.py "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -30 | tee -a "$log"
   ;;
 quick4)
   # session 4's GPU tests: fused penalties in the sampling kernel, hybrid backends, graphs

@@ -138,8 +138,11 @@ def _fused_draws(params, n, seeds=None, logits=None):
     logits = _FUSED_LOGITS if logits is None else logits
     info = _info(params * n if len(params) == 1 else params, vocab=logits.shape[0])
     rows = logits.expand(len(info.params[0]), -1).clone()
-    # 3 rounds narrow their range (6) 17^3 times: these logits (>= 0.1 apart) are resolved
-    return fused_sample(rows, info.params, seeds if seeds is not None else info.seeds, iters=3)
+    # 3 rounds narrow their range (6) 17^3 times: these logits (>= 0.1 apart) are resolved.
+    # Without top-k and top-p (min-p alone) no round runs, as the scheduler asks.
+    search = info.need_top_k or info.need_top_p
+    seeds = seeds if seeds is not None else info.seeds
+    return fused_sample(rows, info.params, seeds, iters=3, search=search)
 
 
 @_INTERPRETER
@@ -225,7 +228,8 @@ def _penalised_reference(logits, state, state_rows, coef, bias):
 def test_fused_kernel_applies_penalties_and_bias_then_counts_the_token():
     """Penalties, logit bias (min_new_tokens' -inf too) and greedy draws in the one kernel
     equal the PyTorch path (_apply_dense, index_add_, argmax); the counts of penalised rows
-    advance by the drawn token, those of others do not move."""
+    advance by the drawn token, those of others do not move. An all-greedy batch runs the prep
+    and pick kernels alone (``greedy_only``, as the scheduler asks)."""
     from loom.sampling.triton_sampling import FusedPenalties, fused_sample
 
     rows, vocab = 6, 40
@@ -239,7 +243,9 @@ def test_fused_kernel_applies_penalties_and_bias_then_counts_the_token():
     )  # fmt: skip
     extras = FusedPenalties.build(state_rows, coef, bias, torch.device("cpu"))
     got = logits.clone()
-    tokens = fused_sample(got, info.params, [], iters=3, extras=extras, state=state)
+    tokens = fused_sample(
+        got, info.params, [], extras=extras, state=state, greedy_only=info.is_all_greedy
+    )
     torch.testing.assert_close(got, want)  # applied in place
     assert torch.equal(tokens, want.argmax(dim=-1))
     expect = counts_before.clone()

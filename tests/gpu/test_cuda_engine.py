@@ -328,6 +328,15 @@ def test_cuda_fused_sampling_applies_a_grammar_bitmask():
     assert torch.equal(got, want)
     assert torch.equal(tokens[:4], want[:4].argmax(dim=-1))
     assert allowed[torch.arange(rows, device="cuda"), tokens].all()
+    # an all-greedy batch: the prep and pick kernels alone
+    greedy = SamplingBatchInfo.build(
+        [SamplingParams(temperature=0.0)] * rows, [0] * rows, vocab, torch.device("cuda"),
+        with_params=True,
+    )  # fmt: skip
+    got = logits.clone()
+    tokens = fused_sample(got, greedy.params, [], vocab_mask=mask, greedy_only=True)
+    assert torch.equal(got, want)
+    assert torch.equal(tokens, want.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])

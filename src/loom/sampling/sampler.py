@@ -191,7 +191,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     if info.is_all_greedy:
         return argmax_rows(logits)
     if info.params is not None and triton_sampling.enabled(logits):
-        return triton_sampling.fused_sample(logits, info.params, info.seeds)
+        search = info.need_top_k or info.need_top_p
+        return triton_sampling.fused_sample(logits, info.params, info.seeds, search=search)
     greedy_ids = argmax_rows(logits)
     scaled = logits / info.temperatures
     filtered = info.need_top_k or info.need_top_p or info.need_min_p

@@ -37,6 +37,7 @@ distribution with chi-square tests (tests/test_sampler.py, on CPU under Triton's
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -308,23 +309,30 @@ if HAS_TRITON:
         V,
         P,
         HAS_SEEDS: tl.constexpr,
+        SEARCH: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
         PB: tl.constexpr,
         NT: tl.constexpr,
     ):
-        """The Gumbel-max draw over {x >= tau} in one chunk, after the last round's step."""
+        """The Gumbel-max draw over {x >= tau} in one chunk, after the last round's step
+        (``SEARCH=False``: no row has top-k or top-p, no rounds ran, tau is min-p's cut)."""
         row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
         p = tl.program_id(1)
         if tl.load(Params + 4 * stride_p + row) == 0.0:
-            temp, top_p, top_k, _ = _row_params(Params, stride_p, row)
+            temp, top_p, top_k, min_p = _row_params(Params, stride_p, row)
             inv_t = 1.0 / temp
-            m, _, _ = _row_stats(Stats, row, P, V, PB)
-            frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
-            a, _, _, _, _, tau0 = _next_interval(
-                St, Cut, Zs, row, P, top_k, top_p, top_k < V, top_p < 1.0, frac, PB, NT
-            )
-            tau = tl.maximum(tau0, a)
+            m, _, lo = _row_stats(Stats, row, P, V, PB)
+            if SEARCH:
+                frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
+                a, _, _, _, _, tau0 = _next_interval(
+                    St, Cut, Zs, row, P, top_k, top_p, top_k < V, top_p < 1.0, frac, PB, NT
+                )
+                tau = tl.maximum(tau0, a)
+            else:  # as the first round sets it up
+                tau = lo
+                if min_p > 0.0:
+                    tau = tl.maximum(tau, m + temp * tl.log(min_p))
             if HAS_SEEDS:
                 seed = tl.load(Seeds + row)
             else:
@@ -451,6 +459,8 @@ def fused_sample(
     extras: FusedPenalties | None = None,
     state=None,
     vocab_mask: torch.Tensor | None = None,
+    greedy_only: bool = False,
+    search: bool = True,
 ) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]`` (row stride may exceed the width).
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
@@ -462,7 +472,9 @@ def fused_sample(
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
     first, in the kernel that starts the draw. ``vocab_mask``: a grammar bitmask on the device
     (``[bs, words]`` int32, 32 tokens a word, bit set = allowed; the grammar family's format),
-    applied in place there too, after them."""
+    applied in place there too, after them. ``greedy_only`` (every row greedy) launches only
+    the prep and pick kernels; ``search=False`` (no row has top-k or top-p) skips the rounds.
+    Both are the caller's promise about ``params``, which stay on the device."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
@@ -485,12 +497,10 @@ def fused_sample(
     in_prompt = state.in_prompt.view(torch.int8) if has_pen else out
     coef = extras.coef if has_pen else params
     state_rows = extras.state_rows if has_pen else out
-    dev = logits.device
-    stats = torch.empty(bs, chunks, 3, dtype=torch.float32, device=dev)
-    zs = torch.empty(bs, chunks, dtype=torch.float32, device=dev)
-    cut = torch.empty(2, bs, chunks, 2, _THRESHOLDS, dtype=torch.float32, device=dev)
-    st = torch.empty(2, bs, 8, dtype=torch.float32, device=dev)
-    draw = torch.empty(bs, chunks, 2, dtype=torch.float32, device=dev)
+    stats, zs, cut, st, draw = _workspace(
+        logits.device, (bs, chunks, 3), (bs, chunks), (2, bs, chunks, 2, _THRESHOLDS), (2, bs, 8),
+        (bs, chunks, 2),
+    )  # fmt: skip
     grid = (bs, chunks)
     _prep_kernel[grid](
         logits,
@@ -518,7 +528,8 @@ def fused_sample(
         BLOCK=block,
         num_warps=8,
     )
-    iters = max(1, iters)  # the first round sets each row's interval up
+    # (the first round sets each row's interval up: at least one when searching)
+    iters = 0 if greedy_only or not search else max(1, iters)
     for r in range(iters):
         _round_kernel[grid](
             logits,
@@ -541,6 +552,8 @@ def fused_sample(
             num_warps=8,
         )
     last = (iters - 1) % 2
+    if greedy_only:
+        return _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb)
     _draw_kernel[grid](
         logits,
         params,
@@ -556,13 +569,18 @@ def fused_sample(
         vocab,
         chunks,
         HAS_SEEDS=bool(seeds),
+        SEARCH=iters > 0,
         CHUNK=block,
         BLOCK=block,
         PB=pb,
         NT=_THRESHOLDS,
         num_warps=8,
     )
-    _pick_kernel[(bs,)](
+    return _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb)
+
+
+def _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb):
+    _pick_kernel[(out.shape[0],)](
         params,
         stats,
         draw,
@@ -576,4 +594,17 @@ def fused_sample(
         HAS_PEN=has_pen,
         PB=pb,
     )
+    return out
+
+
+def _workspace(device: torch.device, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    """fp32 scratch tensors of these shapes carved from one allocation (one call into the
+    caching allocator a step instead of one per tensor), each starting on a 16-byte boundary
+    so the kernels' pointer specialisations stay the same for every batch size."""
+    sizes = [(math.prod(s) + 3) // 4 * 4 for s in shapes]
+    buf = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+    out, at = [], 0
+    for shape, n in zip(shapes, sizes, strict=True):
+        out.append(buf[at : at + math.prod(shape)].view(shape))
+        at += n
     return out

@@ -912,6 +912,8 @@ class Scheduler:
                 extras=plan.fused,
                 state=self.penalties,
                 vocab_mask=mask,
+                greedy_only=info.is_all_greedy,
+                search=info.need_top_k or info.need_top_p,
             )
             return self._finish_sampled(tokens, raw, reqs, want_lp)
         if plan.penalties is not None:
@@ -967,14 +969,16 @@ class Scheduler:
             i for i, (p, n) in enumerate(zip(params, out_lens, strict=True))
             if n < p.min_new_tokens or p.logit_bias
         ]  # fmt: skip
-        fused = (pen or bias_rows) and fused_sampling_enabled(logits)
+        has_grammar = any(r.grammar is not None and not r.is_finished for r in reqs)
+        # On a GPU the fused kernels also apply a grammar's bitmask (no library launch).
+        fused = (pen or bias_rows or has_grammar) and fused_sampling_enabled(logits)
         info = SamplingBatchInfo.build(params, out_lens, vocab, dev, with_params=fused)
         plan = _SamplingPlan(
             key=key,
             info=info,
             seeded=[i for i, p in enumerate(params) if p.sampling_seed is not None],
             want_logprobs=any(r.return_logprob for r in reqs),
-            has_grammar=any(r.grammar is not None and not r.is_finished for r in reqs),
+            has_grammar=has_grammar,
         )
         if pen:
             if self.penalties is None:
