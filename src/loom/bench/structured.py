@@ -41,6 +41,20 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def _finished_text(out: dict[str, Any]) -> str | None:
+    """The text of an output that ended with a stop (the grammar's end), else None."""
+    reason = out["meta_info"].get("finish_reason") or {}
+    return out.get("text", "") if reason.get("type") == "stop" else None
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.bench.json_schemas import SCHEMAS
     from loom.constrained.manager import build_grammar_backend
@@ -88,6 +102,8 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
                 engine.generate(input_ids=prompts[:n], sampling_params=warm_params)
         engine.flush_cache()
 
+        done: list[str] = []  # texts of constrained outputs the grammar ended
+
         def run(ps: list[dict[str, Any]]) -> tuple[float, list[int], dict[str, Any]]:
             lens, before, start = [], dict(engine.get_server_info()), time.perf_counter()
             for i in range(0, len(prompts), ns.batch_size):
@@ -96,6 +112,8 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
                     sampling_params=ps[i : i + ns.batch_size],
                 )
                 lens += [o["meta_info"]["completion_tokens"] for o in outs]
+                if "json_schema" in ps[0]:
+                    done.extend(t for t in map(_finished_text, outs) if t is not None)
             elapsed = time.perf_counter() - start
             return elapsed, lens, step_profile(before, engine.get_server_info())
 
@@ -122,6 +140,9 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         "attention_backend": info["attention_backend"],
     }
     result["overhead"] = result["unconstrained_tok_s"] / result["constrained_tok_s"] - 1
+    # A check that the constrained path still constrains: outputs the grammar ended parse.
+    result["grammar_ended"] = len(done)
+    result["grammar_ended_parse"] = sum(_parses(t) for t in done)
     # Decode steps alone (the scheduler's step profile): no prefill, no request set-up.
     for tag, st in (("constrained", steps_con), ("unconstrained", steps_free)):
         result[f"{tag}_decode_tok_s"] = st["num_decode_tokens"] / max(st["time_decode_s"], 1e-9)
@@ -136,7 +157,8 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         f"{result['unconstrained_tok_s']:.1f} tok/s ({100 * result['overhead']:+.1f}% overhead); "
         f"decode steps alone {result['constrained_decode_tok_s']:.1f} vs "
         f"{result['unconstrained_decode_tok_s']:.1f} tok/s "
-        f"({100 * result['decode_overhead']:+.1f}%), {tokens} tokens"
+        f"({100 * result['decode_overhead']:+.1f}%), {tokens} tokens; "
+        f"{result['grammar_ended_parse']}/{result['grammar_ended']} grammar-ended outputs parse"
     )
     append_result(ns.result_file, result)
     return 0
