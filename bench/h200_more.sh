@@ -9,7 +9,8 @@
 #   structured constrained vs free decoding (needs .whl2: xgrammar, llguidance, pydantic; and
 #              .tok: the SmolLM2 tokenizer saved with save_pretrained)
 #   sampling   batch 32 greedy vs top_p + penalties + logit_bias (SmolLM2 shape, 512 out)
-#   structuredx SmolLM2 structured, xgrammar only
+#   structuredx SmolLM2 structured, xgrammar only; structuredab: the fused grammar mask vs the
+#              library's kernel (LOOM_GRAMMAR_MASK), SmolLM2 batch 16
 #   tritondot  Loom's Triton decode: LOOM_TRITON_DECODE=plain vs dot (the fp16/bf16 default)
 #   wl8b [flags]  the 1000-request 8B workload alone; wltriton: the same on Triton attention;
 #              wlfp8: the same with --kv-cache-dtype fp8_e4m3
@@ -240,6 +241,18 @@ structuredx)
     $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
       --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
       --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+  done
+  ;;
+structuredab)
+  # SmolLM2 batch 16, xgrammar: the grammar mask in the fused sampling kernels vs the library's
+  # own kernel + argmax (LOOM_GRAMMAR_MASK), alternating, twice
+  for i in 1 2; do
+    for mode in fused library; do
+      echo "-- LOOM_GRAMMAR_MASK=$mode" | tee -a "$log"
+      LOOM_GRAMMAR_MASK=$mode $py -m loom.cli bench structured --model $SM --load-format dummy \
+        --tokenizer-path .tok --batch-size 16 --num-prompts 32 --max-new-tokens 64 \
+        --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -1 | tee -a "$log"
+    done
   done
   ;;
 structured8bx)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from loom.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+_GRAMMAR_MASK = os.environ.get("LOOM_GRAMMAR_MASK", "fused")
 
 
 @dataclass
@@ -970,8 +972,11 @@ class Scheduler:
             if n < p.min_new_tokens or p.logit_bias
         ]  # fmt: skip
         has_grammar = any(r.grammar is not None and not r.is_finished for r in reqs)
-        # On a GPU the fused kernels also apply a grammar's bitmask (no library launch).
-        fused = (pen or bias_rows or has_grammar) and fused_sampling_enabled(logits)
+        # On a GPU the fused kernels also apply a grammar's bitmask (no library launch);
+        # LOOM_GRAMMAR_MASK=library keeps the library's kernel for batches without penalties or
+        # bias (to compare the two: bench/h200_more.sh structuredab).
+        grammar_fused = has_grammar and _GRAMMAR_MASK != "library"
+        fused = (pen or bias_rows or grammar_fused) and fused_sampling_enabled(logits)
         info = SamplingBatchInfo.build(params, out_lens, vocab, dev, with_params=fused)
         plan = _SamplingPlan(
             key=key,
