@@ -33,7 +33,12 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
-# Next session's plan (carry .whl, 31 MB with FlashInfer's JIT modules incl. fp8; .whl2 + .tok for
+# Session 7's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+#   call 1: quickfused (the SamplingGraph GPU tests), samplinghost, samplinggraph (first
+#           penalties run of each setting compiles: compare the later ones), structuredab
+#   call 2: if the graphs pay, flip LOOM_SAMPLING_GRAPH's default and re-run sampling /
+#           structuredx; pyspy for the rest of SmolLM2's host time; attn (fp8 sweep)
+# Session 6's plan (done) (carry .whl, 31 MB with FlashInfer's JIT modules incl. fp8; .whl2 + .tok for
 # the structured sections; the machine's start took ~1 min of device time in session 5):
 #   call 1 (carry .whl and .whl2: xgrammar is the oracle of the fused-bitmask GPU test): quick5
 #           (incl. the multi-chunk sampling kernels on a 128,256-wide row, the fused grammar
@@ -201,7 +206,19 @@ quick5)
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
 quickfused)
-  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -30 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or sampling_graph" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -30 | tee -a "$log"
+  ;;
+samplinggraph)
+  # batch 32 greedy vs penalties on SmolLM2 (512 steps) and the 8B, with the sampling kernels in
+  # CUDA graphs (LOOM_SAMPLING_GRAPH=1) and without, alternating; then structured batch 16
+  for g in 1 0 1 0; do
+    for s in greedy penalties; do
+      LOOM_SAMPLING_GRAPH=$g offline "smol-b32-$s-graph$g" --model $SM --num-prompts 32 --input-len 128 --output-len 512 --max-running-requests 32 --sampling $s
+    done
+  done
+  for g in 1 0; do
+    LOOM_SAMPLING_GRAPH=$g offline "8b-b32-penalties-graph$g" --model $L8 --num-prompts 32 --input-len 128 --output-len 128 --max-running-requests 32 --sampling penalties
+  done
   ;;
 samplinghost)
   # host and device microseconds per sampling call, per variant (bench/sampling_host.py)

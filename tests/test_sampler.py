@@ -178,6 +178,28 @@ def test_fused_kernel_greedy_rows_masks_and_seeds():
     assert torch.equal(a, b) and len(set(a.tolist())) == 1  # same seed and position: same draw
 
 
+@_INTERPRETER
+def test_graph_row_seeds_replay_the_eager_draws_of_seeded_rows():
+    """What a SamplingGraph reads: per-row seeds advanced by one a step. A seeded row then draws
+    exactly what the eager path draws at each output position (its text does not depend on
+    whether the batch runs through a graph); unseeded rows get distinct streams."""
+    from loom.sampling.triton_sampling import fused_sample, graph_row_seeds
+
+    params = [SamplingParams(temperature=1.3, top_p=0.95, sampling_seed=s) for s in (3, 9)]
+    params += [SamplingParams(temperature=1.3)] * 2
+    info = _info(params, vocab=len(_FUSED_LOGITS))
+    rows = _FUSED_LOGITS.expand(4, -1).contiguous()
+    seeds = graph_row_seeds(4, [(0, 3, 10), (1, 9, 4)])
+    assert len(set(seeds)) == 4
+    row_seeds = torch.tensor(seeds)
+    for step in range(3):
+        eager = [(0, 3, 10 + step), (1, 9, 4 + step)]
+        want = fused_sample(rows.clone(), info.params, eager, iters=3)
+        got = fused_sample(rows.clone(), info.params, None, iters=3, row_seeds=row_seeds)
+        assert torch.equal(got[:2], want[:2]), step
+        row_seeds = row_seeds + 1
+
+
 def _penalty_case(rows: int, vocab: int, seed: int):
     """A PenaltyState with random counts and prompt tokens per row, random coefficients, and a
     logit bias per row (with an -inf entry, as min_new_tokens sets), as the fused kernel and

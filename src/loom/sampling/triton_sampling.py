@@ -461,6 +461,7 @@ def fused_sample(
     vocab_mask: torch.Tensor | None = None,
     greedy_only: bool = False,
     search: bool = True,
+    row_seeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]`` (row stride may exceed the width).
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
@@ -474,7 +475,9 @@ def fused_sample(
     (``[bs, words]`` int32, 32 tokens a word, bit set = allowed; the grammar family's format),
     applied in place there too, after them. ``greedy_only`` (every row greedy) launches only
     the prep and pick kernels; ``search=False`` (no row has top-k or top-p) skips the rounds.
-    Both are the caller's promise about ``params``, which stay on the device."""
+    Both are the caller's promise about ``params``, which stay on the device. ``row_seeds``:
+    every row's Philox seed as an int64 device tensor (instead of ``seeds`` / ``base_seed``; what
+    a CUDA graph of these kernels reads, see :class:`SamplingGraph`)."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
@@ -482,7 +485,9 @@ def fused_sample(
     if base_seed is None:
         base_seed = random.getrandbits(62)
     seed_t = out  # unused unless seeded
-    if seeds:
+    if row_seeds is not None:
+        seed_t = row_seeds
+    elif seeds:
         per_row = [(base_seed + r) & _SEED_MASK for r in range(bs)]
         for row, seed, position in seeds:
             per_row[row] = row_seed(seed, position)
@@ -568,7 +573,7 @@ def fused_sample(
         base_seed,
         vocab,
         chunks,
-        HAS_SEEDS=bool(seeds),
+        HAS_SEEDS=bool(seeds) or row_seeds is not None,
         SEARCH=iters > 0,
         CHUNK=block,
         BLOCK=block,
@@ -595,6 +600,70 @@ def _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, 
         PB=pb,
     )
     return out
+
+
+def graph_row_seeds(bs: int, seeds: list[tuple[int, int, int]] | None) -> list[int]:
+    """Per-row Philox seeds for a :class:`SamplingGraph`'s first step: a seeded row's
+    ``row_seed(seed, position)`` (so replays, which add one per step, follow its positions
+    exactly as the eager path does), other rows a random base 2**32 apart."""
+    base = random.getrandbits(62)
+    out = [(base + (r << 32)) & _SEED_MASK for r in range(bs)]
+    for row, seed, position in seeds or ():
+        out[row] = row_seed(seed, position)
+    return out
+
+
+class SamplingGraph:
+    """The fused sampling kernels of one batch captured in a CUDA graph: a decode step then costs
+    a copy of its logits (and of its grammar bitmask) and one replay, instead of up to nine
+    Triton launches at ~29 us of host time each (bench/sampling_host.py on the H200 machine),
+    which a small model's decode step cannot hide. ``sample(logits, row_seeds, vocab_mask)``
+    launches the kernels (``fused_sample`` with everything else of the batch bound); it is
+    captured once, on a side stream, reading static ``logits`` / ``vocab_mask`` buffers and a
+    ``row_seeds`` tensor that every replay advances by one (a seeded row's output position
+    advances by one a step). Valid while the batch, and so its parameters, penalty rows and bias,
+    stays the same; the penalty state's buffers must not move (``valid_for``)."""
+
+    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None) -> None:
+        dev = logits.device
+        self.logits = torch.empty_like(logits)
+        self.seeds = row_seeds.clone()
+        self.mask = None if vocab_mask is None else torch.empty_like(vocab_mask)
+        self._state_ptrs = _state_ptrs(state)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            # (thread-local: the engine's other threads never touch CUDA during a capture, but
+            # a global capture mode would turn any such call into an error)
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.tokens = sample(self.logits, self.seeds, self.mask)
+                self.seeds.add_(1)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    def valid_for(self, logits: torch.Tensor, vocab_mask, state) -> bool:
+        return (
+            logits.shape == self.logits.shape
+            and logits.dtype == self.logits.dtype
+            and (vocab_mask is None) == (self.mask is None)
+            and _state_ptrs(state) == self._state_ptrs
+        )
+
+    def __call__(self, logits: torch.Tensor, vocab_mask=None) -> torch.Tensor:
+        """This step's tokens (the graph's output buffer: the next replay overwrites it, after
+        everything enqueued before that replay has read it)."""
+        self.logits.copy_(logits)
+        if vocab_mask is not None:
+            self.mask.copy_(vocab_mask)
+        self.graph.replay()
+        return self.tokens
+
+
+def _state_ptrs(state) -> tuple[int, int] | None:
+    return None if state is None else (state.counts.data_ptr(), state.in_prompt.data_ptr())
 
 
 def _workspace(device: torch.device, *shapes: tuple[int, ...]) -> list[torch.Tensor]:

@@ -33,7 +33,12 @@ from loom.mem_cache.radix_cache import RadixCache
 from loom.sampling.logits_processor import TokenHistory
 from loom.sampling.penalties import PenaltyState, apply_penalties
 from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
-from loom.sampling.triton_sampling import FusedPenalties, fused_sample
+from loom.sampling.triton_sampling import (
+    FusedPenalties,
+    SamplingGraph,
+    fused_sample,
+    graph_row_seeds,
+)
 from loom.sampling.triton_sampling import enabled as fused_sampling_enabled
 from loom.scheduler.policy import NoPrefixCache
 from loom.scheduler.request import Req, ReqOutput
@@ -44,6 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _GRAMMAR_MASK = os.environ.get("LOOM_GRAMMAR_MASK", "fused")
+# CUDA graphs of the fused sampling kernels (SamplingGraph): off until measured on a GPU
+_SAMPLING_GRAPH = os.environ.get("LOOM_SAMPLING_GRAPH", "0") == "1"
 
 
 @dataclass
@@ -137,6 +144,10 @@ class _SamplingPlan:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
     # On a GPU: penalties and bias applied by the sampling kernel itself (one launch a step)
     fused: FusedPenalties | None = None
+    # LOOM_SAMPLING_GRAPH=1: the fused kernels captured in a CUDA graph on the plan's second
+    # step (the first compiles them eagerly)
+    graph: SamplingGraph | None = None
+    uses: int = 0
 
 
 @dataclass
@@ -204,6 +215,9 @@ class Scheduler:
         self.grammar_mgr = None
         self.penalties: PenaltyState | None = None  # allocated with the first penalised request
         self._plan_cache: _SamplingPlan | None = None
+        self._sampling_graphs = (
+            _SAMPLING_GRAPH and runner.device.type == "cuda" and not server_args.disable_cuda_graph
+        )
         self._mask_bufs: list[torch.Tensor] | None = None  # pinned grammar bitmasks (CUDA)
         self._mask_flip = 0
 
@@ -907,16 +921,10 @@ class Scheduler:
             # Fused kernels: penalties, bias, the grammar's mask (its -inf entries stay -inf
             # under all of them), the draw, and the counts of the drawn tokens.
             mask = self._grammar_masks(logits, reqs) if plan.has_grammar else None
-            tokens = fused_sample(
-                logits,
-                info.params,
-                info.seeds,
-                extras=plan.fused,
-                state=self.penalties,
-                vocab_mask=mask,
-                greedy_only=info.is_all_greedy,
-                search=info.need_top_k or info.need_top_p,
-            )
+            if self._sampling_graphs:
+                tokens = self._graph_sample(plan, logits, mask)
+            else:
+                tokens = self._fused_sample(plan, logits, mask)
             return self._finish_sampled(tokens, raw, reqs, want_lp)
         if plan.penalties is not None:
             batch_rows, state_rows, coef, row_base, ones, all_rows = plan.penalties
@@ -931,6 +939,44 @@ class Scheduler:
             picked = tokens if all_rows else tokens.index_select(0, batch_rows)
             self.penalties.add(state_rows, picked, row_base, ones)
         return self._finish_sampled(tokens, raw, reqs, want_lp)
+
+    def _fused_sample(self, plan, logits, mask, row_seeds=None) -> torch.Tensor:
+        info = plan.info
+        return fused_sample(
+            logits,
+            info.params,
+            None if row_seeds is not None else info.seeds,
+            extras=plan.fused,
+            state=self.penalties,
+            vocab_mask=mask,
+            greedy_only=info.is_all_greedy,
+            search=info.need_top_k or info.need_top_p,
+            row_seeds=row_seeds,
+        )
+
+    def _graph_sample(self, plan, logits, mask) -> torch.Tensor:
+        """The fused kernels through the plan's CUDA graph: eager on the plan's first step
+        (compiles), captured on its second, replayed from then on (see ``SamplingGraph``)."""
+        g = plan.graph
+        if g is None or not g.valid_for(logits, mask, self.penalties):
+            plan.uses += 1
+            if plan.uses < 2:
+                return self._fused_sample(plan, logits, mask)
+            seeds = graph_row_seeds(logits.shape[0], plan.info.seeds)
+            seeds = torch.tensor(seeds, dtype=torch.int64).to(logits.device)
+            try:
+                g = plan.graph = SamplingGraph(
+                    logits,
+                    seeds,
+                    lambda lg, rs, m: self._fused_sample(plan, lg, m, row_seeds=rs),
+                    vocab_mask=mask,
+                    state=self.penalties,
+                )
+            except Exception:  # noqa: BLE001 - any capture failure: sample eagerly from now on
+                logger.exception("capturing the sampling kernels failed; sampling eagerly")
+                self._sampling_graphs = False
+                return self._fused_sample(plan, logits, mask)
+        return g(logits, mask)
 
     @staticmethod
     def _finish_sampled(tokens, raw, reqs, want_lp) -> _Sampled:
