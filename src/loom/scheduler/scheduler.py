@@ -144,8 +144,9 @@ class _SamplingPlan:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
     # On a GPU: penalties and bias applied by the sampling kernel itself (one launch a step)
     fused: FusedPenalties | None = None
-    # LOOM_SAMPLING_GRAPH=1: the fused kernels captured in a CUDA graph on the plan's second
-    # step (the first compiles them eagerly)
+    # LOOM_SAMPLING_GRAPH=1: the fused kernels captured in a CUDA graph on the plan's third
+    # step (the first compiles them; a batch that changes every step or two, as requests come
+    # and go, never pays for a capture it would not replay)
     graph: SamplingGraph | None = None
     uses: int = 0
 
@@ -955,12 +956,12 @@ class Scheduler:
         )
 
     def _graph_sample(self, plan, logits, mask) -> torch.Tensor:
-        """The fused kernels through the plan's CUDA graph: eager on the plan's first step
-        (compiles), captured on its second, replayed from then on (see ``SamplingGraph``)."""
+        """The fused kernels through the plan's CUDA graph: eager on the plan's first two
+        steps, captured on its third, replayed from then on (see ``SamplingGraph``)."""
         g = plan.graph
         if g is None or not g.valid_for(logits, mask, self.penalties):
             plan.uses += 1
-            if plan.uses < 2:
+            if plan.uses < 3:
                 return self._fused_sample(plan, logits, mask)
             seeds = graph_row_seeds(logits.shape[0], plan.info.seeds)
             seeds = torch.tensor(seeds, dtype=torch.int64).to(logits.device)
