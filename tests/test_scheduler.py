@@ -222,3 +222,23 @@ def test_step_profile_accounts_for_every_step(engine, prompts_ids):
     assert p["num_prefill_batches"] >= 1 and p["num_decode_batches"] >= 5
     assert p["time_prefill_s"] > 0 and p["time_decode_s"] > 0
     assert p["mean_decode_batch"] == p["num_decode_tokens"] / p["num_decode_batches"]
+
+
+def test_step_profile_counts_the_wait_for_the_inflight_decode_as_decode():
+    """A step that first waits for the overlapped decode step still in flight, then prefills:
+    the wait goes to decode time, the rest to prefill time."""
+    from loom.scheduler.scheduler import Scheduler, SchedulerStats
+
+    sched = object.__new__(Scheduler)
+    sched.stats = SchedulerStats()
+
+    def fake_step():
+        sched._tail_s = 0.03  # resolved the in-flight decode step
+        sched.stats.num_prefill_batches += 1
+        time.sleep(0.05)
+        return []
+
+    sched._step = fake_step
+    sched.step()
+    assert sched.stats.time_decode_s == 0.03
+    assert 0.015 < sched.stats.time_prefill_s < 0.5

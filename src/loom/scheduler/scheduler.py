@@ -216,6 +216,7 @@ class Scheduler:
         self.grammar_mgr = None
         self.penalties: PenaltyState | None = None  # allocated with the first penalised request
         self._plan_cache: _SamplingPlan | None = None
+        self._tail_s = 0.0  # this step's wait for the previous (overlapped) decode step
         self._sampling_graphs = (
             _SAMPLING_GRAPH and runner.device.type == "cuda" and not server_args.disable_cuda_graph
         )
@@ -384,10 +385,14 @@ class Scheduler:
         t = time.perf_counter()
         prefills = self.stats.num_prefill_batches
         waited = self.stats.time_grammar_wait_s
+        self._tail_s = 0.0
         outputs = self._step()
         dt = time.perf_counter() - t - (self.stats.time_grammar_wait_s - waited)
         if self.stats.num_prefill_batches != prefills:
-            self.stats.time_prefill_s += dt
+            # the wait for the decode step still in flight belongs to decode, not to the
+            # prefill that follows it
+            self.stats.time_prefill_s += dt - self._tail_s
+            self.stats.time_decode_s += self._tail_s
         else:
             self.stats.time_decode_s += dt
         return outputs
@@ -411,7 +416,9 @@ class Scheduler:
                 self.stats.num_overlapped_batches += 1
                 self._inflight = nxt
                 return outputs
+            t = time.perf_counter()
             outputs += self._resolve(self._inflight)
+            self._tail_s = time.perf_counter() - t
             self._inflight = None
         outputs += self._poll_grammars()
         outputs += self._apply_aborts()
