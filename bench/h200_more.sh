@@ -37,7 +37,7 @@
 #   call 1: quickfused (the SamplingGraph GPU tests), samplinghost, samplinggraph (first
 #           penalties run of each setting compiles: compare the later ones), structuredab
 #   call 2: if the graphs pay, flip LOOM_SAMPLING_GRAPH's default and re-run sampling /
-#           structuredx; pyspy for the rest of SmolLM2's host time; attn (fp8 sweep)
+#           structuredx; pyspysampling for the rest of SmolLM2's host time; attn (fp8 sweep)
 # Session 6's plan (done) (carry .whl, 31 MB with FlashInfer's JIT modules incl. fp8; .whl2 + .tok for
 # the structured sections; the machine's start took ~1 min of device time in session 5):
 #   call 1 (carry .whl and .whl2: xgrammar is the oracle of the fused-bitmask GPU test): quick5
@@ -194,6 +194,18 @@ pyspy)
     --model $SM --load-format dummy --skip-tokenizer-init --num-prompts 32 --input-len 128 \
     --output-len 512 --max-running-requests 32 --sampling penalties 2>&1 | grep "^Loom" | tee -a "$log"
   $py bench/pyspy_top.py "$out/spy-sampling.txt" 45 | tee -a "$log"
+  ;;
+pyspysampling)
+  # where the host's time goes in SmolLM2's penalised batch-32 steps (the sampling part of
+  # pyspy alone, which session 6's call cut off)
+  spy=/tmp/site2/bin/py-spy
+  $py -m loom.cli bench offline --model $SM --load-format dummy --skip-tokenizer-init --num-prompts 32 \
+    --input-len 128 --output-len 64 --max-running-requests 32 --sampling penalties >/dev/null 2>&1  # compile
+  $spy record -r 500 -f raw -o "$out/spy-sampling.txt" -- $py -m loom.cli bench offline \
+    --model $SM --load-format dummy --skip-tokenizer-init --num-prompts 32 --input-len 128 \
+    --output-len 512 --max-running-requests 32 --sampling penalties 2>&1 | grep "^Loom" | tee -a "$log"
+  $py bench/pyspy_top.py "$out/spy-sampling.txt" 45 | tee -a "$log"
+  gzip -f "$out/spy-sampling.txt"
   ;;
 quicktests)
   $py -m pytest -q -m gpu tests/gpu -k "penalty or argmax or rotary or fused_sampling or large_batches or fp8" -p no:cacheprovider 2>&1 | tail -5 | tee -a "$log"
