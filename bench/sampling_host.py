@@ -84,6 +84,12 @@ def _one_shape(bs, vocab, dev, xgr) -> list[dict]:
         "fused top_p + penalties + bias": lambda: fused_sample(
             work, top_p.params, [], extras=extras, state=state
         ),
+        "same, 32 thresholds x 5 rounds": lambda: fused_sample(
+            work, top_p.params, [], extras=extras, state=state, thresholds=32, iters=5
+        ),
+        "same, 64 thresholds x 4 rounds": lambda: fused_sample(
+            work, top_p.params, [], extras=extras, state=state, thresholds=64, iters=4
+        ),
     }
     if xgr is not None:
         variants["xgrammar apply + argmax_rows"] = lambda: argmax_rows(

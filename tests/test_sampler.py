@@ -132,7 +132,7 @@ def _small_chunks(monkeypatch):
     monkeypatch.setattr(triton_sampling, "_CHUNK", 8)
 
 
-def _fused_draws(params, n, seeds=None, logits=None):
+def _fused_draws(params, n, seeds=None, logits=None, iters=3, **kw):
     from loom.sampling.triton_sampling import fused_sample
 
     logits = _FUSED_LOGITS if logits is None else logits
@@ -142,7 +142,7 @@ def _fused_draws(params, n, seeds=None, logits=None):
     # Without top-k and top-p (min-p alone) no round runs, as the scheduler asks.
     search = info.need_top_k or info.need_top_p
     seeds = seeds if seeds is not None else info.seeds
-    return fused_sample(rows, info.params, seeds, iters=3, search=search)
+    return fused_sample(rows, info.params, seeds, iters=iters, search=search, **kw)
 
 
 @_INTERPRETER
@@ -157,6 +157,23 @@ def test_fused_kernel_samples_follow_the_filtered_softmax(t, k, p, m):
     draws = _fused_draws([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)], n)
     counts = torch.bincount(draws, minlength=len(_FUSED_LOGITS)).double()
     want = _reference_filtered(_FUSED_LOGITS, t, k if k > 0 else 0, p, m)
+    expected = want / want.sum() * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
+    assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+
+
+@_INTERPRETER
+def test_fused_kernel_with_64_thresholds_a_round_follows_the_filtered_softmax():
+    """64 thresholds a round (two rounds narrow the range 65^2 times) give the same
+    distribution: the setting bench/sampling_host.py compares with 16 and 6 rounds."""
+    from tests.test_sampling_params import _chi2_p
+
+    n, (t, k, p, m) = 800, (1.3, 5, 0.9, 0.05)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)]
+    draws = _fused_draws(params, n, iters=2, thresholds=64)
+    counts = torch.bincount(draws, minlength=len(_FUSED_LOGITS)).double()
+    want = _reference_filtered(_FUSED_LOGITS, t, k, p, m)
     expected = want / want.sum() * n
     keep = expected > 0
     assert counts[~keep].sum() == 0, "a filtered-out token was sampled"

@@ -462,13 +462,16 @@ def fused_sample(
     greedy_only: bool = False,
     search: bool = True,
     row_seeds: torch.Tensor | None = None,
+    thresholds: int = _THRESHOLDS,
 ) -> torch.Tensor:
     """Token ids ``[bs]`` for fp32 ``logits [bs, vocab]`` (row stride may exceed the width).
     ``params`` is ``[5, bs]`` fp32 on the device: temperature, top_p, top_k (the vocabulary
     size when off), min_p, greedy (1.0 / 0.0). ``seeds``: ``(row, seed, output position)`` of
     seeded rows; the others draw from ``base_seed`` (random when None) plus the row index.
     ``iters``: rounds of the top-k / top-p cut search, each narrowing the logit range
-    ``_THRESHOLDS + 1`` times (6 rounds: ~24 bits, fp32 resolution for logits of a few tens).
+    ``thresholds + 1`` times (16 thresholds and 6 rounds: ~24 bits, fp32 resolution for logits
+    of a few tens; 64 and 4 resolve as finely with two launches fewer, at four times the
+    comparisons a round: bench/sampling_host.py compares them).
     ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
     first, in the kernel that starts the draw. ``vocab_mask``: a grammar bitmask on the device
@@ -495,7 +498,11 @@ def fused_sample(
     block = min(_CHUNK, triton.next_power_of_2(vocab))  # a chunk: one program's columns
     chunks = triton.cdiv(vocab, block)
     pb = triton.next_power_of_2(chunks)
-    sblock = max(1, block // 8)  # two iterations of four loads per chunk and round
+    nt = thresholds
+    assert nt >= 2 and nt & (nt - 1) == 0, "thresholds: a power of two"
+    # a round's [nt, sblock] accumulators hold 2 * block entries whatever nt is (16: two
+    # iterations of four 512-wide loads per 4,096-column chunk)
+    sblock = max(1, block * 2 // nt)
     has_pen = extras is not None and extras.state_rows is not None
     has_bias = extras is not None and extras.bias_ptr is not None
     counts = state.counts if has_pen else out
@@ -503,7 +510,7 @@ def fused_sample(
     coef = extras.coef if has_pen else params
     state_rows = extras.state_rows if has_pen else out
     stats, zs, cut, st, draw = _workspace(
-        logits.device, (bs, chunks, 3), (bs, chunks), (2, bs, chunks, 2, _THRESHOLDS), (2, bs, 8),
+        logits.device, (bs, chunks, 3), (bs, chunks), (2, bs, chunks, 2, nt), (2, bs, 8),
         (bs, chunks, 2),
     )  # fmt: skip
     grid = (bs, chunks)
@@ -553,7 +560,7 @@ def fused_sample(
             CHUNK=block,
             SBLOCK=sblock,
             PB=pb,
-            NT=_THRESHOLDS,
+            NT=nt,
             num_warps=8,
         )
     last = (iters - 1) % 2
@@ -578,7 +585,7 @@ def fused_sample(
         CHUNK=block,
         BLOCK=block,
         PB=pb,
-        NT=_THRESHOLDS,
+        NT=nt,
         num_warps=8,
     )
     return _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb)
