@@ -34,8 +34,9 @@
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
 # Session 7's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
-#   call 1: quickfused (the SamplingGraph GPU tests), samplinghost, samplinggraph (first
-#           penalties run of each setting compiles: compare the later ones), structuredab
+#   call 1: quickfused (the SamplingGraph GPU tests), samplinghost (incl. 16 x 6 vs 32 x 5 vs
+#           64 x 4 thresholds x rounds), samplinggraph (first penalties run of each setting
+#           compiles: compare the later ones), structuredab
 #   call 2: if the graphs pay, flip LOOM_SAMPLING_GRAPH's default and re-run sampling /
 #           structuredx; pyspysampling for the rest of SmolLM2's host time; attn (fp8 sweep)
 # Session 6's plan (done) (carry .whl, 31 MB with FlashInfer's JIT modules incl. fp8; .whl2 + .tok for
