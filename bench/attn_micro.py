@@ -134,6 +134,12 @@ def run_row(bs: int, ctx: int, results: str | None) -> None:
         "s4": (None, {"num_stages": 4}),
         "pf": (None, {"prefetch": True}),
         "n128-pf": (128, {"prefetch": True}),
+        # several KV heads a program: one slot lookup per token for all of them, and each
+        # token's heads read as one contiguous run (fp8: 128 bytes a head)
+        "kv2": (None, {"kv_per_program": 2}),
+        "kv4": (None, {"kv_per_program": 4}),
+        "kv8": (32, {"kv_per_program": 8}),
+        "kv4-w8": (None, {"kv_per_program": 4, "num_warps": 8}),
     }
     for kind, kv_dtype in kv_kinds.items():
         for tag, (block_n, launch) in variants.items():

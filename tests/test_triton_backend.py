@@ -149,9 +149,10 @@ def test_same_backend_for_both_phases_is_one_instance(tiny_dir):
 
 @pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_kernel_variants_match_dense_attention(use_dot, group):
+@pytest.mark.parametrize("kvp", [1, 2])
+def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp):
     """Both decode variants (broadcast products; tl.dot on the padded GQA group) against dense
-    attention over scattered KV slots."""
+    attention over scattered KV slots, with one or two KV heads a program."""
     from loom.layers.attention.triton_ops import decode_attention
 
     gen = torch.Generator().manual_seed(group)
@@ -171,7 +172,7 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group):
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
     out = decode_attention(
         *(t.to(dev) for t in (q, k_buf, v_buf, table, torch.arange(len(seq_lens)))),
-        torch.tensor(seq_lens, device=dev), scale, 4, use_dot=use_dot,
+        torch.tensor(seq_lens, device=dev), scale, 4, use_dot=use_dot, kv_per_program=kvp,
     ).cpu()  # fmt: skip
     for r, n in enumerate(seq_lens):
         idx = table[r, :n]
@@ -192,9 +193,11 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group):
         (torch.bfloat16, torch.float8_e5m2),
     ],
 )
-@pytest.mark.parametrize("block_n,prefetch", [(None, False), (128, False), (None, True)])
+@pytest.mark.parametrize(
+    "block_n,prefetch,kvp", [(None, False, 1), (128, False, 1), (None, True, 1), (None, False, 2)]
+)
 def test_decode_default_variant_in_half_precision_matches_dense_attention(
-    dtype, kv_dtype, block_n, prefetch
+    dtype, kv_dtype, block_n, prefetch, kvp
 ):
     """fp16/bf16 take the tl.dot variant by default (the GPU default for half-precision
     models); over an fp8 cache its dots run in fp16. Triton's CPU interpreter computes tl.dot on
@@ -224,6 +227,7 @@ def test_decode_default_variant_in_half_precision_matches_dense_attention(
         8,
         block_n=block_n,
         prefetch=prefetch,
+        kv_per_program=kvp,
     )
     assert out.dtype == dtype
     for r, n in enumerate(lens):

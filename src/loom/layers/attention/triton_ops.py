@@ -68,9 +68,10 @@ def _decode_stage1(
     PRECISION: tl.constexpr,
     DOT_FP16: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    KVP: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1)  # the program's first KV head / KVP (KVP heads a program)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqPoolIdx + b)
@@ -82,9 +83,9 @@ def _decode_stage1(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < GROUP
+    h_mask = offs_h < GROUP * KVP
     d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h
+    heads = kv_head * (GROUP * KVP) + offs_h
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
@@ -105,19 +106,32 @@ def _decode_stage1(
     if PREFETCH:
         first = start + tl.arange(0, BLOCK_N)
         loc = tl.load(ReqToToken + row * stride_rt + first, mask=first < end, other=0)
+    # KVP > 1: a tile row per (token, KV head), the heads of a token adjacent (one contiguous
+    # KVP * head_dim run of the pool per token); query rows attend only to their own head's
+    # rows (a block-diagonal mask), so one program reads KVP heads' K/V per slot lookup
+    offs_r = tl.arange(0, BLOCK_N * KVP)
+    if KVP > 1:
+        k_head = (kv_head * KVP + offs_r % KVP)[:, None] * stride_kh
+        v_head = (kv_head * KVP + offs_r % KVP)[:, None] * stride_vh
+    else:
+        k_head = kv_head * stride_kh
+        v_head = kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if KVP > 1:
+            offs_n = n0 + offs_r // KVP
+        else:
+            offs_n = n0 + offs_r
         n_mask = offs_n < end
         if not PREFETCH:
             loc = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
         k = tl.load(
-            K + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            K + loc[:, None] * stride_kt + k_head + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
         # V depends only on the slots: issue its load now, so both are in flight together.
         v = tl.load(
-            V + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            V + loc[:, None] * stride_vt + v_head + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
@@ -131,6 +145,9 @@ def _decode_stage1(
             k = k.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
+        if KVP > 1:  # each query row keeps its own head's rows
+            own = (offs_h // GROUP)[:, None] == (offs_r % KVP)[None, :]
+            s = tl.where(own | ~h_mask[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -209,6 +226,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     prefetch: bool = False,
+    kv_per_program: int = 1,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
@@ -219,7 +237,9 @@ def decode_attention(
     e.g. 128 over an fp8 cache, whose 64-token tiles carry half the bytes per round trip);
     ``num_warps`` / ``num_stages``: Triton's launch options (default: Triton's), also for
     measuring (bench/attn_micro.py); ``prefetch``: load the next tile's slot indices while this
-    tile's K/V are in flight (for measuring)."""
+    tile's K/V are in flight (for measuring); ``kv_per_program``: KV heads one program reads
+    (a power of two dividing the KV heads; tiles of block_n tokens x that many heads, read as
+    one contiguous run per token; for measuring, e.g. over fp8 caches)."""
     if use_dot is None:
         if _DECODE_VARIANT in ("dot", "plain"):
             use_dot = _DECODE_VARIANT == "dot"
@@ -228,6 +248,10 @@ def decode_attention(
     bs, num_heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group = num_heads // kv_heads
+    kvp = kv_per_program
+    if kvp < 1 or kvp & (kvp - 1) or kv_heads % kvp or (kvp > 1 and prefetch):
+        raise ValueError(f"kv_per_program={kvp}: a power of two dividing {kv_heads} KV heads, "
+                         "without prefetch")  # fmt: skip
     if mid_o is None:
         mid_o = torch.empty(
             bs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
@@ -236,7 +260,7 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
-    _decode_stage1[(bs, kv_heads, num_splits)](
+    _decode_stage1[(bs, kv_heads // kvp, num_splits)](
         q,
         k_buf,
         v_buf,
@@ -259,7 +283,7 @@ def decode_attention(
         mid_lse.stride(1),
         scale,
         GROUP=group,
-        BLOCK_H=max(triton.next_power_of_2(group), 16 if use_dot else 1),
+        BLOCK_H=max(triton.next_power_of_2(group * kvp), 16 if use_dot else 1),
         BLOCK_N=block_n or (64 if use_dot else 32),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -268,6 +292,7 @@ def decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in FP8_DTYPES,
         PREFETCH=prefetch,
+        KVP=kvp,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     _decode_stage2[(bs, num_heads)](
