@@ -49,7 +49,7 @@ def _one_shape(bs, vocab, dev, xgr) -> list[dict]:
     from loom.sampling.penalties import PenaltyState
     from loom.sampling.sampler import SamplingBatchInfo, argmax_rows
     from loom.sampling.sampling_params import SamplingParams
-    from loom.sampling.triton_sampling import FusedPenalties, fused_sample
+    from loom.sampling.triton_sampling import FusedPenalties, SamplingGraph, fused_sample
 
     rows_out = []
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -91,6 +91,18 @@ def _one_shape(bs, vocab, dev, xgr) -> list[dict]:
             work, top_p.params, [], extras=extras, state=state, thresholds=64, iters=4
         ),
     }
+    # the same kernels replayed from a CUDA graph (LOOM_SAMPLING_GRAPH): a logits copy and one
+    # replay a call
+    seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 1
+    graph = SamplingGraph(
+        logits,
+        seeds,
+        lambda lg, rs, m: fused_sample(
+            lg, top_p.params, None, extras=extras, state=state, row_seeds=rs
+        ),  # fmt: skip
+        state=state,
+    )
+    variants["same, replayed from a CUDA graph"] = lambda: graph(work)
     if xgr is not None:
         variants["xgrammar apply + argmax_rows"] = lambda: argmax_rows(
             xgr.apply_token_bitmask_inplace(work, mask) or work
