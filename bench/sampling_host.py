@@ -93,16 +93,17 @@ def _one_shape(bs, vocab, dev, xgr) -> list[dict]:
     }
     # the same kernels replayed from a CUDA graph (LOOM_SAMPLING_GRAPH): a logits copy and one
     # replay a call
-    seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 1
-    graph = SamplingGraph(
-        logits,
-        seeds,
-        lambda lg, rs, m: fused_sample(
-            lg, top_p.params, None, extras=extras, state=state, row_seeds=rs
-        ),  # fmt: skip
-        state=state,
-    )
-    variants["same, replayed from a CUDA graph"] = lambda: graph(work)
+    try:
+        seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 1
+
+        def draw(lg, rs, m):
+            return fused_sample(lg, top_p.params, None, extras=extras, state=state, row_seeds=rs)
+
+        draw(logits.clone(), seeds, None)  # compiles this variant outside the capture
+        graph = SamplingGraph(logits, seeds, draw, state=state)
+        variants["same, replayed from a CUDA graph"] = lambda: graph(work)
+    except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+        print(f"bs {bs} vocab {vocab} CUDA graph capture failed: {e}", flush=True)
     if xgr is not None:
         variants["xgrammar apply + argmax_rows"] = lambda: argmax_rows(
             xgr.apply_token_bitmask_inplace(work, mask) or work

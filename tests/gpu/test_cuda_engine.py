@@ -352,7 +352,7 @@ def test_cuda_sampling_graph_replays_the_eager_kernels():
     params = [SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5)] * 6
     params += [SamplingParams(temperature=0.0)] * 2
     info = SamplingBatchInfo.build(params, [0] * bs, vocab, dev)
-    states = [PenaltyState(vocab, dev, capacity=bs) for _ in range(2)]
+    states = [PenaltyState(vocab, dev, capacity=bs) for _ in range(3)]  # graph, eager, warm-up
     rows = [[st.alloc(list(range(i, i + 50))) for i in range(bs)] for st in states]
     coef = [[0.5] * bs, [0.0] * bs, [1.0] * bs]
     bias = [{7: 2.0, 11: -1.0}] * bs
@@ -367,8 +367,15 @@ def test_cuda_sampling_graph_replays_the_eager_kernels():
             lg, info.params, None, extras=ex, state=state, vocab_mask=m, row_seeds=rs
         )
 
+    # the kernel variants compile eagerly first (as the scheduler's first steps do), never
+    # inside the capture
+    run(states[2], extras[2])(torch.randn(bs, vocab, device=dev), seeds.clone(), mask)
     graph = SamplingGraph(
-        torch.empty(bs, vocab, device=dev), seeds, run(states[0], extras[0]), mask, states[0]
+        torch.empty(bs, vocab, device=dev),
+        seeds.clone(),  # advanced in place by each replay
+        run(states[0], extras[0]),
+        mask,
+        states[0],
     )
     eager = run(states[1], extras[1])
     for step in range(5):

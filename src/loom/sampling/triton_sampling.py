@@ -626,15 +626,15 @@ class SamplingGraph:
     Triton launches at ~29 us of host time each (bench/sampling_host.py on the H200 machine),
     which a small model's decode step cannot hide. ``sample(logits, row_seeds, vocab_mask)``
     launches the kernels (``fused_sample`` with everything else of the batch bound); it is
-    captured once, on a side stream, reading static ``logits`` / ``vocab_mask`` buffers and a
-    ``row_seeds`` tensor that every replay advances by one (a seeded row's output position
-    advances by one a step). Valid while the batch, and so its parameters, penalty rows and bias,
+    captured once, on a side stream, reading static ``logits`` / ``vocab_mask`` buffers and the
+    ``row_seeds`` tensor, which every replay advances by one in place (a seeded row's output
+    position advances by one a step; the caller's tensor stays current for a later capture). Valid while the batch, and so its parameters, penalty rows and bias,
     stays the same; the penalty state's buffers must not move (``valid_for``)."""
 
     def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None) -> None:
         dev = logits.device
         self.logits = torch.empty_like(logits)
-        self.seeds = row_seeds.clone()
+        self.seeds = row_seeds  # advanced in place by every replay
         self.mask = None if vocab_mask is None else torch.empty_like(vocab_mask)
         self._state_ptrs = _state_ptrs(state)
         side = torch.cuda.Stream(device=dev)

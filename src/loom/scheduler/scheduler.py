@@ -149,6 +149,7 @@ class _SamplingPlan:
     # and go, never pays for a capture it would not replay)
     graph: SamplingGraph | None = None
     uses: int = 0
+    row_seeds: torch.Tensor | None = None  # the graph's per-row seeds, from the first step
 
 
 @dataclass
@@ -968,14 +969,19 @@ class Scheduler:
         g = plan.graph
         if g is None or not g.valid_for(logits, mask, self.penalties):
             plan.uses += 1
+            if plan.row_seeds is None:
+                seeds = graph_row_seeds(logits.shape[0], plan.info.seeds)
+                plan.row_seeds = torch.tensor(seeds, dtype=torch.int64).to(logits.device)
             if plan.uses < 3:
-                return self._fused_sample(plan, logits, mask)
-            seeds = graph_row_seeds(logits.shape[0], plan.info.seeds)
-            seeds = torch.tensor(seeds, dtype=torch.int64).to(logits.device)
+                # eagerly, with the per-row seeds the graph will read: the same kernel
+                # variants compile here, never inside the capture
+                tokens = self._fused_sample(plan, logits, mask, row_seeds=plan.row_seeds)
+                plan.row_seeds.add_(1)
+                return tokens
             try:
                 g = plan.graph = SamplingGraph(
                     logits,
-                    seeds,
+                    plan.row_seeds,
                     lambda lg, rs, m: self._fused_sample(plan, lg, m, row_seeds=rs),
                     vocab_mask=mask,
                     state=self.penalties,
