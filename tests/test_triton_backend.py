@@ -297,3 +297,49 @@ def test_auto_large_batch_decode_switch_is_chosen_by_kv_cache_kind(tiny_dir, mon
             assert e.get_server_info()["attention_backend"] == name
     with loom.Engine(kv_cache_dtype="fp8_e4m3", decode_attention_backend="triton", **kw) as e:
         assert e.get_server_info()["attention_backend"] == "torch_native prefill + triton decode"
+
+
+def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monkeypatch):
+    """LOOM_SAMPLING_GRAPH's scheduler side, on CPU under the interpreter with a stand-in for
+    the CUDA graph (each "replay" runs the captured function on the static inputs and advances
+    the seeds, as a replay does): seeded requests with penalties and top-p give the tokens of
+    the plain fused path, through the eager first steps, the capture, the replays and a batch
+    that shrinks (a new plan, a new capture)."""
+    import loom.scheduler.scheduler as sched_mod
+
+    captures = []
+
+    class StandIn:
+        def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None):
+            captures.append(logits.shape[0])
+            self.seeds, self.sample, self.state = row_seeds, sample, state
+
+        def valid_for(self, logits, vocab_mask, state):
+            return state is self.state
+
+        def __call__(self, logits, vocab_mask=None):
+            tokens = self.sample(logits, self.seeds, vocab_mask)
+            self.seeds.add_(1)
+            return tokens
+
+    prompts = [
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (3, 17, 40)
+    ]
+    params = [
+        {"max_new_tokens": n, "temperature": 1.2, "top_p": 0.9, "frequency_penalty": 0.4,
+         "sampling_seed": 5 + n, "ignore_eos": True}
+        for n in (9, 6, 9)
+    ]  # fmt: skip
+    kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=1024, dtype="float32")
+    monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
+    monkeypatch.setattr(sched_mod, "SamplingGraph", StandIn)
+    runs = {}
+    for graphs in (False, True):
+        with loom.Engine(attention_backend="torch_native", **kw) as e:
+            e.scheduler._sampling_graphs = graphs
+            runs[graphs] = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+    assert runs[True] == runs[False]
+    assert captures == [3, 2], captures  # the full batch, then the two left after one finished
