@@ -13,6 +13,7 @@
 #              library's kernel (LOOM_GRAMMAR_MASK), SmolLM2 batch 16
 #   tritondot  Loom's Triton decode: LOOM_TRITON_DECODE=plain vs dot (the fp16/bf16 default)
 #   wl8b [flags]  the 1000-request 8B workload alone; wltriton: the same on Triton attention;
+#              wlkvp: fp8 cache, Triton decode, 1 / 4 KV heads per program (LOOM_TRITON_KVP);
 #              wlfp8: the same with --kv-cache-dtype fp8_e4m3
 #   attn       decode attention alone (bench/attn_micro.py): Triton variants vs FlashInfer
 #   b1lite     8B batch 1: Triton (16 / 8 splits) and FlashInfer
@@ -151,6 +152,13 @@ wlfp8)
   # default backends
   offline "8b-1000-random-fp8kv-fi" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --attention-backend flashinfer
   offline "8b-1000-random-fp8kv" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
+  ;;
+wlkvp)
+  # the 1000-request workload over an fp8 cache with Triton decode at every batch size, KV heads
+  # per decode program 1 / 4 (LOOM_TRITON_KVP; run attn first to pick the count)
+  for n in 1 4; do
+    LOOM_TRITON_KVP=$n offline "8b-1000-random-fp8kv-triton-kvp$n" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --decode-attention-backend triton
+  done
   ;;
 wltriton)
   offline "8b-1000-random-triton" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --attention-backend triton

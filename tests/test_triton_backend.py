@@ -55,6 +55,18 @@ def test_greedy_equals_torch_native(tiny_dir, backend):
     assert got == want
 
 
+def test_greedy_with_several_kv_heads_per_decode_program_equals_torch_native(tiny_dir, monkeypatch):
+    """LOOM_TRITON_KVP (the decode variant reading several KV heads per program), end to end."""
+    import loom.layers.attention.triton_backend as tb
+
+    prompts, params, kw, want = _reference_run(tiny_dir)
+    monkeypatch.setattr(tb, "_KV_PER_PROGRAM", 2)
+    with loom.Engine(attention_backend="triton", **kw) as e:
+        assert e.runner.kv_pool.get_kv(0)[0].shape[1] >= 2
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want
+
+
 @pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])
 def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill, decode):
     """--prefill-attention-backend / --decode-attention-backend: extend batches (chunked here)

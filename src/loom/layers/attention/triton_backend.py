@@ -16,6 +16,9 @@ import torch
 from loom.layers.attention.base import AttentionBackend
 
 _FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls this per layer
+# KV heads per decode program (triton_ops.decode_attention's kv_per_program), for measuring the
+# variant end to end (bench/attn_micro.py measures it alone); capped at the model's KV heads
+_KV_PER_PROGRAM = int(os.environ.get("LOOM_TRITON_KVP", "1"))
 
 
 def num_kv_splits(bs: int) -> int:
@@ -100,5 +103,6 @@ class TritonAttnBackend(AttentionBackend):
             batch.seq_lens,
             layer.scaling,
             num_kv_splits(batch.batch_size),
+            kv_per_program=min(_KV_PER_PROGRAM, k_buf.shape[1]),
         )
         return out.view(-1, layer.num_heads * layer.head_dim)
