@@ -200,13 +200,13 @@ def test_graph_row_seeds_replay_the_eager_draws_of_seeded_rows():
     """What a SamplingGraph reads: per-row seeds advanced by one a step. A seeded row then draws
     exactly what the eager path draws at each output position (its text does not depend on
     whether the batch runs through a graph); unseeded rows get distinct streams."""
-    from loom.sampling.triton_sampling import fused_sample, graph_row_seeds
+    from loom.sampling.triton_sampling import fused_sample, per_row_seeds
 
     params = [SamplingParams(temperature=1.3, top_p=0.95, sampling_seed=s) for s in (3, 9)]
     params += [SamplingParams(temperature=1.3)] * 2
     info = _info(params, vocab=len(_FUSED_LOGITS))
     rows = _FUSED_LOGITS.expand(4, -1).contiguous()
-    seeds = graph_row_seeds(4, [(0, 3, 10), (1, 9, 4)])
+    seeds = per_row_seeds(4, [(0, 3, 10), (1, 9, 4)])
     assert len(set(seeds)) == 4
     row_seeds = torch.tensor(seeds)
     for step in range(3):

@@ -491,9 +491,7 @@ def fused_sample(
     if row_seeds is not None:
         seed_t = row_seeds
     elif seeds:
-        per_row = [(base_seed + r) & _SEED_MASK for r in range(bs)]
-        for row, seed, position in seeds:
-            per_row[row] = row_seed(seed, position)
+        per_row = per_row_seeds(bs, seeds, base_seed)
         seed_t = torch.tensor(per_row, dtype=torch.int64).to(logits.device, non_blocking=True)
     block = min(_CHUNK, triton.next_power_of_2(vocab))  # a chunk: one program's columns
     chunks = triton.cdiv(vocab, block)
@@ -609,11 +607,14 @@ def _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, 
     return out
 
 
-def graph_row_seeds(bs: int, seeds: list[tuple[int, int, int]] | None) -> list[int]:
-    """Per-row Philox seeds for a :class:`SamplingGraph`'s first step: a seeded row's
-    ``row_seed(seed, position)`` (so replays, which add one per step, follow its positions
-    exactly as the eager path does), other rows a random base 2**32 apart."""
-    base = random.getrandbits(62)
+def per_row_seeds(
+    bs: int, seeds: list[tuple[int, int, int]] | None, base: int | None = None
+) -> list[int]:
+    """Every row's Philox seed for one step: a seeded row's ``row_seed(seed, position)``,
+    other rows ``base`` (random when None) plus 2**32 per row. A :class:`SamplingGraph` starts
+    from these and adds one per replay, which follows a seeded row's positions exactly as the
+    eager path does and keeps the other rows' streams apart."""
+    base = random.getrandbits(62) if base is None else base
     out = [(base + (r << 32)) & _SEED_MASK for r in range(bs)]
     for row, seed, position in seeds or ():
         out[row] = row_seed(seed, position)
@@ -628,8 +629,9 @@ class SamplingGraph:
     launches the kernels (``fused_sample`` with everything else of the batch bound); it is
     captured once, on a side stream, reading static ``logits`` / ``vocab_mask`` buffers and the
     ``row_seeds`` tensor, which every replay advances by one in place (a seeded row's output
-    position advances by one a step; the caller's tensor stays current for a later capture). Valid while the batch, and so its parameters, penalty rows and bias,
-    stays the same; the penalty state's buffers must not move (``valid_for``)."""
+    position advances by one a step; the caller's tensor stays current for a later capture).
+    Valid while the batch, and so its parameters, penalty rows and bias, stays the same; the
+    penalty state's buffers must not move (``valid_for``)."""
 
     def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None) -> None:
         dev = logits.device

@@ -37,7 +37,7 @@ from loom.sampling.triton_sampling import (
     FusedPenalties,
     SamplingGraph,
     fused_sample,
-    graph_row_seeds,
+    per_row_seeds,
 )
 from loom.sampling.triton_sampling import enabled as fused_sampling_enabled
 from loom.scheduler.policy import NoPrefixCache
@@ -970,7 +970,7 @@ class Scheduler:
         if g is None or not g.valid_for(logits, mask, self.penalties):
             plan.uses += 1
             if plan.row_seeds is None:
-                seeds = graph_row_seeds(logits.shape[0], plan.info.seeds)
+                seeds = per_row_seeds(logits.shape[0], plan.info.seeds)
                 plan.row_seeds = torch.tensor(seeds, dtype=torch.int64).to(logits.device)
             if plan.uses < 3:
                 # eagerly, with the per-row seeds the graph will read: the same kernel

@@ -111,8 +111,9 @@ def _decode_stage1(
     # rows (a block-diagonal mask), so one program reads KVP heads' K/V per slot lookup
     offs_r = tl.arange(0, BLOCK_N * KVP)
     if KVP > 1:
-        k_head = (kv_head * KVP + offs_r % KVP)[:, None] * stride_kh
-        v_head = (kv_head * KVP + offs_r % KVP)[:, None] * stride_vh
+        r_head = (kv_head * KVP + offs_r % KVP)[:, None]  # each tile row's KV head
+        k_head = r_head * stride_kh
+        v_head = r_head * stride_vh
     else:
         k_head = kv_head * stride_kh
         v_head = kv_head * stride_vh
