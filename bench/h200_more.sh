@@ -150,13 +150,14 @@ wlfp8)
   # the 1000-request workload with an fp8 KV cache: FlashInfer for prefill and decode (a 16-bit
   # query over fp8 K/V; its fp8 modules JIT-compile on first use: run ficache after), then the
   # default backends
-  offline "8b-1000-random-fp8kv-fi" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --attention-backend flashinfer
+  # (default first: since session 7 it decodes with Triton, two KV heads a program)
   offline "8b-1000-random-fp8kv" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
+  offline "8b-1000-random-fp8kv-fi" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --attention-backend flashinfer
   ;;
 wlkvp)
   # the 1000-request workload over an fp8 cache with Triton decode at every batch size, KV heads
   # per decode program 1 / 4 (LOOM_TRITON_KVP; run attn first to pick the count)
-  for n in 1 4; do
+  for n in ${KVPS:-1 4}; do
     LOOM_TRITON_KVP=$n offline "8b-1000-random-fp8kv-triton-kvp$n" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --decode-attention-backend triton
   done
   ;;
@@ -225,6 +226,25 @@ quick5)
   # switch, the 8-threshold cut search in the sampling kernel
   $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -40 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
+  ;;
+quick7)
+  # session 7: the sampling kernels with 3 rounds and the pick kernel's settling, the Gumbel
+  # noise's column mapping, sampling graphs, fp8 auto (Triton decode at every batch size)
+  $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or sampling_graph or gumbel or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -30 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py -k "half_precision or kv_heads" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
+  ;;
+final7)
+  # session 7, last call: the Triton decode reading two KV heads a program on the GPU (kernel
+  # tests over bf16 / fp8), batch 32 greedy vs penalties on SmolLM2 with the sampling graphs now
+  # on by default, structured batch 16 on SmolLM2, the 1000-request bf16 workload with 2 KV heads
+  # a program (LOOM_TRITON_KVP=2)
+  $py -m pytest -q tests/test_triton_backend.py -k "half_precision and None-False-2" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
+  for s in greedy penalties greedy penalties; do
+    offline "smol-b32-$s" --model $SM --num-prompts 32 --input-len 128 --output-len 512 --max-running-requests 32 --sampling $s
+  done
+  $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --batch-size 16 --num-prompts 32 --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -1 | tee -a "$log"
+  LOOM_TRITON_KVP=2 offline "8b-1000-random-kvp2" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
   ;;
 quickfused)
   $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or sampling_graph" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -30 | tee -a "$log"

@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from loom.sampling import triton_sampling
 from loom.sampling.sampler import SamplingBatchInfo, filter_probs, sample
 from loom.sampling.sampling_params import SamplingParams
 
@@ -178,6 +179,69 @@ def test_fused_kernel_with_64_thresholds_a_round_follows_the_filtered_softmax():
     keep = expected > 0
     assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
     assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+
+
+# 24 logits 0.02 apart between 0.6 and 1.06, a larger one and a few far below: one search round
+# leaves an interval of ~0.4 around the cut holding many of them, so most draws land in it
+_DENSE_LOGITS = torch.cat(
+    [torch.tensor([2.5]), 0.6 + 0.02 * torch.arange(24.0), torch.tensor([-2.0, -4.0, -6.0])]
+)
+
+
+@_INTERPRETER
+@pytest.mark.parametrize("t,k,p", [(1.0, 6, 1.0), (0.8, 9, 0.7)])
+def test_fused_kernel_settles_draws_inside_an_open_search_interval(t, k, p):
+    """One search round cannot separate the densely spaced logits around the cut: the draw runs
+    over a superset of the kept set and the pick kernel settles draws that land in the open
+    interval (an exact check of the cut's definition at the drawn logit, a redraw above it when
+    it fails). The result still follows the filtered softmax; without the settling, filtered
+    tokens would be drawn."""
+    from tests.test_sampling_params import _chi2_p
+
+    n = 300
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p)]
+    draws = _fused_draws(params, n, logits=_DENSE_LOGITS, iters=1)
+    counts = torch.bincount(draws, minlength=len(_DENSE_LOGITS)).double()
+    want = _reference_filtered(_DENSE_LOGITS, t, k if k > 0 else 0, p, 0.0)
+    expected = want / want.sum() * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
+    assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+
+
+def gumbel_matches_per_column_philox(device) -> bool:
+    """``_gumbel``'s noise for a block equals Philox evaluated column by column (counter
+    ``c // 4``, output ``c % 4``): the noise of a column does not depend on the block or chunk
+    it is drawn in."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def noise(Out, seed, start, BLOCK: tl.constexpr):
+        tl.store(Out + tl.arange(0, BLOCK), triton_sampling._gumbel(seed, start, 3, BLOCK))
+
+    @triton.jit
+    def reference(Out, seed, start, BLOCK: tl.constexpr):
+        c = start + tl.arange(0, BLOCK)
+        i0, i1, i2, i3 = tl.randint4x(seed, (c // 4).to(tl.int64) + 3 * 4294967296)
+        k = c % 4
+        r = tl.where(k == 0, i0, tl.where(k == 1, i1, tl.where(k == 2, i2, i3)))
+        u = tl.random.uint_to_uniform_float(r)
+        tl.store(Out + tl.arange(0, BLOCK), -tl.log(-tl.log(u)))
+
+    a = torch.empty(64, device=device)
+    b = torch.empty(64, device=device)
+    noise[(1,)](a, 987654321, 128, BLOCK=64)
+    reference[(1,)](b, 987654321, 128, BLOCK=64)
+    halves = torch.empty(64, device=device)
+    noise[(1,)](halves, 987654321, 128, BLOCK=32)
+    noise[(1,)](halves[32:], 987654321, 160, BLOCK=32)
+    return torch.equal(a, b) and torch.equal(a, halves) and len(set(a.tolist())) == 64
+
+
+@_INTERPRETER
+def test_gumbel_noise_is_philox_per_column():
+    assert gumbel_matches_per_column_philox("cpu")
 
 
 @_INTERPRETER

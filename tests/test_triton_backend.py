@@ -60,11 +60,23 @@ def test_greedy_with_several_kv_heads_per_decode_program_equals_torch_native(tin
     import loom.layers.attention.triton_backend as tb
 
     prompts, params, kw, want = _reference_run(tiny_dir)
-    monkeypatch.setattr(tb, "_KV_PER_PROGRAM", 2)
+    monkeypatch.setattr(tb, "_FORCED_KVP", "2")
     with loom.Engine(attention_backend="triton", **kw) as e:
         assert e.runner.kv_pool.get_kv(0)[0].shape[1] >= 2
         got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     assert got == want
+
+
+def test_kv_heads_per_decode_program_by_cache_dtype_and_batch(monkeypatch):
+    """Two KV heads a program over fp8 caches once one split fills the GPU; one otherwise."""
+    import loom.layers.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "_FORCED_KVP", None)
+    fp8 = torch.float8_e4m3fn
+    assert [tb.kv_per_program(bs, fp8) for bs in (1, 4, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 2]
+    assert {tb.kv_per_program(bs, torch.bfloat16) for bs in (1, 64, 1000)} == {1}
+    monkeypatch.setattr(tb, "_FORCED_KVP", "4")
+    assert tb.kv_per_program(1, torch.bfloat16) == 4
 
 
 @pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])

@@ -268,35 +268,47 @@ def test_cuda_penalty_kernel_matches_dense_path():
 
 def test_cuda_fused_sampling_follows_the_filtered_softmax():
     """The fused sampling kernel on the GPU: 20,000 draws per setting against the sort-based
-    reference distribution (chi-square), with its default rounds. The 12 logits also sit spread
-    over a Llama-3-sized row (128,256 columns, the rest -inf): 32 chunks per row, whose partials
-    merge to the same distribution."""
+    reference distribution (chi-square), with its default rounds, and with one round, which
+    leaves the cut's interval open for these logits so that the pick kernel settles the draws
+    landing in it. The 12 logits also sit spread over a Llama-3-sized row (128,256 columns, the
+    rest -inf): 32 chunks per row, whose partials merge to the same distribution."""
+    logits = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.2, -0.5, -1.0, -3.0, 0.9, 1.1, -0.1, 0.0])
+    for t, k, p, m in [(0.7, 3, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.3, 5, 0.9, 0.05)]:
+        for iters in (3, 1):
+            _fused_chi2(logits, t, k, p, m, 20000, iters)
+
+
+def _fused_chi2(logits, t, k, p, m, n, iters):
     from loom.sampling.sampler import SamplingBatchInfo
     from loom.sampling.sampling_params import SamplingParams
     from loom.sampling.triton_sampling import fused_sample
     from tests.test_sampler import _reference_filtered
     from tests.test_sampling_params import _chi2_p
 
-    logits = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.2, -0.5, -1.0, -3.0, 0.9, 1.1, -0.1, 0.0])
-    n = 20000
-    for t, k, p, m in [(0.7, 3, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.3, 5, 0.9, 0.05)]:
-        params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)] * n
-        info = SamplingBatchInfo.build(params, [0] * n, 12, torch.device("cuda"))
-        want = _reference_filtered(logits, t, max(k, 0), p, m)
-        expected = want / want.sum() * n
-        keep = expected > 0
-        rows = logits.cuda().expand(n, -1).contiguous()
-        counts = torch.bincount(fused_sample(rows, info.params, []).cpu(), minlength=12)
-        assert counts[~keep].sum() == 0
-        assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
-        cols = torch.arange(12, device="cuda") * 10_687 + 3  # 12 of the 32 chunks of 4,096
-        wide = torch.full((n, 128_256), -float("inf"), device="cuda")
-        wide[:, cols] = logits.cuda()
-        draws = fused_sample(wide, info.params, [])
-        assert torch.isin(draws, cols).all()
-        counts = torch.bincount((draws.cpu() - 3) // 10_687, minlength=12)
-        assert counts[~keep].sum() == 0
-        assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)] * n
+    info = SamplingBatchInfo.build(params, [0] * n, 12, torch.device("cuda"))
+    want = _reference_filtered(logits, t, max(k, 0), p, m)
+    expected = want / want.sum() * n
+    keep = expected > 0
+    rows = logits.cuda().expand(n, -1).contiguous()
+    draws = fused_sample(rows, info.params, [], iters=iters)
+    counts = torch.bincount(draws.cpu(), minlength=12)
+    assert counts[~keep].sum() == 0
+    assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
+    cols = torch.arange(12, device="cuda") * 10_687 + 3  # 12 of the 32 chunks of 4,096
+    wide = torch.full((n, 128_256), -float("inf"), device="cuda")
+    wide[:, cols] = logits.cuda()
+    draws = fused_sample(wide, info.params, [], iters=iters)
+    assert torch.isin(draws, cols).all()
+    counts = torch.bincount((draws.cpu() - 3) // 10_687, minlength=12)
+    assert counts[~keep].sum() == 0
+    assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
+
+
+def test_cuda_gumbel_noise_is_philox_per_column():
+    from tests.test_sampler import gumbel_matches_per_column_philox
+
+    assert gumbel_matches_per_column_philox("cuda")
 
 
 def test_cuda_fused_sampling_applies_a_grammar_bitmask():
@@ -459,8 +471,7 @@ def test_flashinfer_reads_an_fp8_e4m3_kv_cache(tmp_path, kv_dtype):
     """FlashInfer named with --kv-cache-dtype fp8_e4m3 (16-bit query over fp8 K/V) for prefill
     and decode: graphs replay the eager tokens exactly and agree with torch_native over the same
     fp8 cache; fp8_e5m2 is refused with a clear error. `auto` over fp8_e4m3 prefills with
-    FlashInfer and decodes with Triton up to batch 32, FlashInfer above; over fp8_e5m2 it
-    passes over FlashInfer."""
+    FlashInfer and decodes with Triton; over fp8_e5m2 it passes over FlashInfer."""
     from loom.layers.attention.flashinfer_backend import import_error
 
     if import_error() is not None:
@@ -474,9 +485,7 @@ def test_flashinfer_reads_an_fp8_e4m3_kv_cache(tmp_path, kv_dtype):
     kw = _cuda_kw(model_dir, "bfloat16", page_size=16, kv_cache_dtype=kv_dtype)
     with loom.Engine(**kw) as e:  # auto
         assert e.get_server_info()["attention_backend"] == (
-            "triton"
-            if kv_dtype == "fp8_e5m2"
-            else "flashinfer prefill + triton decode (flashinfer above batch 32)"
+            "triton" if kv_dtype == "fp8_e5m2" else "flashinfer prefill + triton decode"
         )
     if kv_dtype == "fp8_e5m2":
         with pytest.raises(ValueError, match="fp8_e4m3"):

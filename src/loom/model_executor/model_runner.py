@@ -37,13 +37,15 @@ _AUTO_BACKENDS = {
     "cpu": ["torch_native"],
 }
 # ... except above a decode batch size (a CUDA-graph bucket, so an eager step and the graph that
-# pads it agree), where `auto` decodes with another backend when it is available, keyed by
-# (device, KV cache kind). On the H200 (bench/attn_micro.py, Llama-3-8B heads, docs/benchmarks.md,
-# session 5): over a bf16 cache Loom's Triton decode with 1-2 KV splits matched FlashInfer's at
-# batch 256 and beat it at 64, 512 and 1,000 (482 vs 506 us at 512 x 900 tokens), so bf16 decodes
-# with Triton at every size; over an fp8_e4m3 cache FlashInfer's was faster from batch 64 (474
-# vs 530 us at 512 x 900) and Triton's at batch 1 (6 vs 14 us).
-_AUTO_DECODE_LARGE = {("cuda", "fp8"): ("flashinfer", 32)}
+# pads it agree), where `auto` may decode with another backend when it is available, keyed by
+# (device, KV cache kind). No entry now. On the H200 (Llama-3-8B heads, docs/benchmarks.md):
+# over a bf16 cache Loom's Triton decode with 1-2 KV splits matched FlashInfer's at batch 256
+# and beat it at 64, 512 and 1,000 (482 vs 506 us at 512 x 900 tokens, session 5). Over an
+# fp8_e4m3 cache FlashInfer's was faster from batch 64 (474 vs 530 us at 512 x 900, session 5)
+# until Triton's read two KV heads a program there (triton_backend.kv_per_program): the
+# 1000-request workload then ran at 11,940 output tok/s against FlashInfer's 10,297 (session 7
+# and session 5).
+_AUTO_DECODE_LARGE: dict[tuple[str, str], tuple[str, int]] = {}
 # On the H200 the 1000-request Llama-3-8B workload ran at 10,017 output tok/s with 1024 running
 # requests against 9,712 with 512 (docs/benchmarks.md): larger batches prefill in larger steps.
 _MAX_AUTO_RUNNING = 1024

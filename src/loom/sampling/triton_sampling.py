@@ -19,12 +19,16 @@ of a row exchange per-chunk partials between launches (a fixed number, so no hos
    evenly spaced thresholds; the next round merges the chunks' counts and keeps the
    sub-interval where the predicate turns false (17 times narrower). The first round also sums
    the normaliser ``Z``. A row stops searching once its interval holds a single logit (the kept
-   set is then decided);
+   set is then decided). Three rounds leave the interval ~5,000 times narrower than the row's
+   range; a row whose interval still holds several logits draws over ``{x >= a}``, a superset of
+   the kept set, and the pick kernel settles a draw that lands in ``[a, b)`` exactly (rejection
+   sampling: check the cut's definition at the drawn logit, redraw above it if it fails);
 3. ``_draw_kernel`` takes the last step and draws ``argmax((x - m) / T + G)`` over the kept set in
    its chunk, with Gumbel noise ``G`` (the Gumbel-max trick, equivalent to the exponential race
-   of the PyTorch path) from Triton's Philox generator, seeded per row and column: a seeded
-   request's noise depends only on its seed and output position;
-4. ``_pick_kernel`` takes each row's best chunk and counts the drawn token for the penalties.
+   of the PyTorch path) from Triton's Philox generator (four columns an evaluation), seeded per
+   row and column: a seeded request's noise depends only on its seed and output position;
+4. ``_pick_kernel`` takes each row's best chunk (settling a draw inside an open interval, see
+   2.) and counts the drawn token for the penalties.
 
 Every sum runs in a fixed order over fixed chunks, so a row's result does not depend on the
 batch it is in.
@@ -294,6 +298,18 @@ if HAS_TRITON:
                     tl.store(Zs + row * P + p, tl.sum(z_vec, 0))
 
     @triton.jit
+    def _gumbel(seed, start, stream, BLOCK: tl.constexpr):
+        """Gumbel noise for columns ``start .. start + BLOCK`` (``start`` a multiple of 4) of one
+        noise ``stream``: column ``c``'s is the ``c % 4``-th of the four outputs of Philox
+        counter ``(c // 4, stream)``, so it does not depend on the chunking, and one Philox
+        evaluation serves four columns (it is the draw's main cost)."""
+        q = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.int64) + stream * 4294967296
+        u0, u1, u2, u3 = tl.rand4x(seed, q)
+        # join(join(u0, u2), join(u1, u3))[n, i, j] is output 2 j + i: flat index 4 n + 2 i + j
+        u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BLOCK])
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
     def _draw_kernel(
         Logits,
         Params,
@@ -303,6 +319,7 @@ if HAS_TRITON:
         Cut,  # the last round's counts and masses
         St,  # the last round's state
         Draw,  # [bs, P, 2] fp32: the chunk's best Gumbel score and its index
+        Fin,  # [bs, 4] fp32: the draw's cut, the search's upper bound b, whether it was open
         stride_l,
         stride_p,
         base_seed,
@@ -325,10 +342,14 @@ if HAS_TRITON:
             m, _, lo = _row_stats(Stats, row, P, V, PB)
             if SEARCH:
                 frac = (tl.arange(0, NT) + 1).to(tl.float32) / (NT + 1)
-                a, _, _, _, _, tau0 = _next_interval(
+                a, b, _, _, searching, tau0 = _next_interval(
                     St, Cut, Zs, row, P, top_k, top_p, top_k < V, top_p < 1.0, frac, PB, NT
                 )
                 tau = tl.maximum(tau0, a)
+                if p == 0:  # for the pick's exact check of a draw from [a, b)
+                    tl.store(Fin + row * 4, tau)
+                    tl.store(Fin + row * 4 + 1, b)
+                    tl.store(Fin + row * 4 + 2, tl.where(searching, 1.0, 0.0))
             else:  # as the first round sets it up
                 tau = lo
                 if min_p > 0.0:
@@ -346,8 +367,7 @@ if HAS_TRITON:
             for start in range(lo_col, hi_col, BLOCK):
                 cols = start + offs
                 x = tl.load(base + cols, mask=cols < hi_col, other=-float("inf"))
-                u = tl.rand(seed, cols)  # the noise of a column: independent of the chunking
-                g = -tl.log(-tl.log(u))
+                g = _gumbel(seed, start, 0, BLOCK)
                 score = tl.where(x >= tau, (x - m) * inv_t + g, -float("inf"))
                 up = score > t_vec
                 j_vec = tl.where(up, cols, j_vec)
@@ -359,37 +379,114 @@ if HAS_TRITON:
 
     @triton.jit
     def _pick_kernel(
+        Logits,
         Params,
+        Seeds,
         Stats,
+        Zs,
         Draw,
+        Fin,
         Out,
         StateRows,
         Counts,
+        stride_l,
         stride_p,
         stride_c,
+        base_seed,
         V,
         P,
         HAS_PEN: tl.constexpr,
+        HAS_SEEDS: tl.constexpr,
+        SEARCH: tl.constexpr,
         PB: tl.constexpr,
+        FB: tl.constexpr,
     ):
         """Each row's token (greedy: the first maximum; else the chunks' best draw), and its
-        count in the penalty state."""
+        count in the penalty state. A draw that fell inside a search interval ``[a, b)`` the
+        rounds left open (more than one logit in it) is checked exactly and, if outside the
+        kept set, redrawn (see ``_settle``)."""
         row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
         if tl.load(Params + 4 * stride_p + row) != 0.0:
             _, best, _ = _row_stats(Stats, row, P, V, PB)
+            token = best.to(tl.int64)
         else:
             offs = tl.arange(0, PB)
             mask = offs < P
             score = tl.load(Draw + (row * P + offs) * 2, mask=mask, other=-float("inf"))
             idx = tl.load(Draw + (row * P + offs) * 2 + 1, mask=mask, other=V * 1.0)
             top = tl.max(score, 0)
-            best = tl.min(tl.where(score == top, idx, V * 1.0), 0)
-        token = best.to(tl.int64)
+            token = tl.min(tl.where(score == top, idx, V * 1.0), 0).to(tl.int64)
+            if SEARCH:
+                if tl.load(Fin + row * 4 + 2) > 0.0:
+                    token = _settle(Logits, Params, Seeds, Stats, Zs, Fin, stride_l, stride_p,
+                                    base_seed, V, P, row, token, HAS_SEEDS, PB, FB)  # fmt: skip
         tl.store(Out + row, token)
         if HAS_PEN:
             s = tl.load(StateRows + row)
             if s >= 0:  # count the token drawn (one state row per batch row)
                 tl.atomic_add(Counts + s * stride_c + token, 1)
+
+    @triton.jit
+    def _settle(Logits, Params, Seeds, Stats, Zs, Fin, stride_l, stride_p, base_seed, V, P,
+                row, token, HAS_SEEDS: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr):  # fmt: skip
+        """The rounds narrowed the cut to ``[a, b)`` and the draw ran over ``{x >= a}``, a superset
+        of the kept set ``{x >= cut}``. A token at or above ``b`` is kept. One below ``b`` is
+        kept exactly when the logits above it hold fewer than top-k and less than top-p of the
+        mass (the cut's definition, evaluated at it); if it is not kept, every kept logit lies
+        above it, and the draw is repeated over the logits above it with fresh noise. This is
+        rejection sampling from a superset, so the result follows the filtered softmax
+        exactly; the loop ends because the candidate set shrinks every time. It runs only for
+        rows whose search interval still holds several logits after the rounds, and draws into
+        it are rare (a few logits of a wide range); one program walks the row."""
+        base = Logits + row * stride_l
+        tau = tl.load(Fin + row * 4)
+        b = tl.load(Fin + row * 4 + 1)
+        xw = tl.load(base + token)
+        pending = xw < b
+        if pending:
+            temp, top_p, top_k, _ = _row_params(Params, stride_p, row)
+            inv_t = 1.0 / temp
+            use_k = top_k < V
+            use_p = top_p < 1.0
+            m, _, _ = _row_stats(Stats, row, P, V, PB)
+            offs_p = tl.arange(0, PB)
+            z = tl.sum(tl.load(Zs + row * P + offs_p, mask=offs_p < P, other=0.0), 0)
+            if HAS_SEEDS:
+                seed = tl.load(Seeds + row)
+            else:
+                seed = base_seed + row
+            offs = tl.arange(0, FB)
+            stream = row * 0  # the noise stream of the redraw (the first draw's is 0)
+            while pending:
+                cnt = tl.zeros([FB], tl.float32)
+                mass = tl.zeros([FB], tl.float32)
+                for start in range(0, V, FB):
+                    cols = start + offs
+                    x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
+                    above = x > xw
+                    cnt += above.to(tl.float32)
+                    mass += tl.where(above, tl.exp((x - m) * inv_t), 0.0)
+                out_k = use_k & (tl.sum(cnt, 0) >= top_k)
+                out_p = use_p & (tl.sum(mass, 0) >= top_p * z)
+                pending = out_k | out_p
+                if pending:  # not kept: draw again above it
+                    stream += 1
+                    t_vec = tl.full([FB], -float("inf"), tl.float32)
+                    j_vec = tl.zeros([FB], tl.int64)
+                    for start in range(0, V, FB):
+                        cols = start + offs
+                        x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
+                        g = _gumbel(seed, start, stream, FB)
+                        keep = (x > xw) & (x >= tau)
+                        score = tl.where(keep, (x - m) * inv_t + g, -float("inf"))
+                        up = score > t_vec
+                        j_vec = tl.where(up, cols.to(tl.int64), j_vec)
+                        t_vec = tl.where(up, score, t_vec)
+                    top = tl.max(t_vec, 0)
+                    token = tl.min(tl.where(t_vec == top, j_vec, V), 0)
+                    xw = tl.load(base + token)
+                    pending = xw < b
+        return token
 
 
 def enabled(logits: torch.Tensor) -> bool:
@@ -455,7 +552,7 @@ def fused_sample(
     params: torch.Tensor,
     seeds: list[tuple[int, int, int]] | None = None,
     base_seed: int | None = None,
-    iters: int = 6,
+    iters: int = 3,
     extras: FusedPenalties | None = None,
     state=None,
     vocab_mask: torch.Tensor | None = None,
@@ -469,9 +566,11 @@ def fused_sample(
     size when off), min_p, greedy (1.0 / 0.0). ``seeds``: ``(row, seed, output position)`` of
     seeded rows; the others draw from ``base_seed`` (random when None) plus the row index.
     ``iters``: rounds of the top-k / top-p cut search, each narrowing the logit range
-    ``thresholds + 1`` times (16 thresholds and 6 rounds: ~24 bits, fp32 resolution for logits
-    of a few tens; 64 and 4 resolve as finely with two launches fewer, at four times the
-    comparisons a round: bench/sampling_host.py compares them).
+    ``thresholds + 1`` times (3 rounds of 16: 4,913 times). The search need not close: a draw
+    that lands in the interval still open is checked exactly and redrawn if outside the kept
+    set (``_settle``), so fewer rounds trade launches (~12 us of device time each at batch 32
+    on the H200) for that rare check. More thresholds a round cost more than they save
+    (session 6: 64 x 4 took 172 us against 99 us for 16 x 6, bench/sampling_host.py).
     ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
     first, in the kernel that starts the draw. ``vocab_mask``: a grammar bitmask on the device
@@ -493,7 +592,7 @@ def fused_sample(
     elif seeds:
         per_row = per_row_seeds(bs, seeds, base_seed)
         seed_t = torch.tensor(per_row, dtype=torch.int64).to(logits.device, non_blocking=True)
-    block = min(_CHUNK, triton.next_power_of_2(vocab))  # a chunk: one program's columns
+    block = max(4, min(_CHUNK, triton.next_power_of_2(vocab)))  # a chunk: one program's columns
     chunks = triton.cdiv(vocab, block)
     pb = triton.next_power_of_2(chunks)
     nt = thresholds
@@ -507,9 +606,9 @@ def fused_sample(
     in_prompt = state.in_prompt.view(torch.int8) if has_pen else out
     coef = extras.coef if has_pen else params
     state_rows = extras.state_rows if has_pen else out
-    stats, zs, cut, st, draw = _workspace(
+    stats, zs, cut, st, draw, fin = _workspace(
         logits.device, (bs, chunks, 3), (bs, chunks), (2, bs, chunks, 2, nt), (2, bs, 8),
-        (bs, chunks, 2),
+        (bs, chunks, 2), (bs, 4),
     )  # fmt: skip
     grid = (bs, chunks)
     _prep_kernel[grid](
@@ -562,8 +661,10 @@ def fused_sample(
             num_warps=8,
         )
     last = (iters - 1) % 2
+    seeded = bool(seeds) or row_seeds is not None
+    pick = (logits, params, seed_t, stats, zs, draw, fin, out, state_rows, counts, base_seed)
     if greedy_only:
-        return _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb)
+        return _pick(*pick, has_pen, seeded, False, pb)
     _draw_kernel[grid](
         logits,
         params,
@@ -573,12 +674,13 @@ def fused_sample(
         cut[last],
         st[last],
         draw,
+        fin,
         logits.stride(0),
         params.stride(0),
         base_seed,
         vocab,
         chunks,
-        HAS_SEEDS=bool(seeds) or row_seeds is not None,
+        HAS_SEEDS=seeded,
         SEARCH=iters > 0,
         CHUNK=block,
         BLOCK=block,
@@ -586,23 +688,34 @@ def fused_sample(
         NT=nt,
         num_warps=8,
     )
-    return _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb)
+    return _pick(*pick, has_pen, seeded, iters > 0, pb)
 
 
-def _pick(params, stats, draw, out, state_rows, counts, vocab, chunks, has_pen, pb):
-    _pick_kernel[(out.shape[0],)](
+def _pick(logits, params, seed_t, stats, zs, draw, fin, out, state_rows, counts, base_seed,
+          has_pen, seeded, search, pb):  # fmt: skip
+    bs, vocab = logits.shape
+    _pick_kernel[(bs,)](
+        logits,
         params,
+        seed_t,
         stats,
+        zs,
         draw,
+        fin,
         out,
         state_rows,
         counts,
+        logits.stride(0),
         params.stride(0),
         counts.stride(0),
+        base_seed,
         vocab,
-        chunks,
+        stats.shape[1],
         HAS_PEN=has_pen,
+        HAS_SEEDS=seeded,
+        SEARCH=search,
         PB=pb,
+        FB=max(4, min(1024, triton.next_power_of_2(vocab))),
     )
     return out
 

@@ -16,9 +16,9 @@ import torch
 from loom.layers.attention.base import AttentionBackend
 
 _FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls this per layer
-# KV heads per decode program (triton_ops.decode_attention's kv_per_program), for measuring the
-# variant end to end (bench/attn_micro.py measures it alone); capped at the model's KV heads
-_KV_PER_PROGRAM = int(os.environ.get("LOOM_TRITON_KVP", "1"))
+# KV heads per decode program (triton_ops.decode_attention's kv_per_program); unset: see
+# kv_per_program. Capped at the model's KV heads.
+_FORCED_KVP = os.environ.get("LOOM_TRITON_KVP")
 
 
 def num_kv_splits(bs: int) -> int:
@@ -35,6 +35,22 @@ def num_kv_splits(bs: int) -> int:
     while splits > 1 and bs > 64 // splits:
         splits //= 2
     return splits
+
+
+def kv_per_program(bs: int, kv_dtype: torch.dtype) -> int:
+    """KV heads one decode program reads. Over an fp8 cache a head's row of a token is 128
+    bytes, too short a read to keep the loads busy; two heads read as one 256-byte run did
+    better once the batch alone fills the GPU (one KV split). On the H200 (Llama-3-8B heads,
+    docs/benchmarks.md, session 7): 62 vs 77 us at batch 64 x 1,024 tokens (bench/attn_micro.py),
+    and the 1000-request workload ran at 11,940 output tok/s against 10,809 with one head (4
+    heads: 10,692). At small batches, where the splits fill the GPU, one head was faster (6.0 vs
+    6.6 us at batch 1), and over bf16 two heads matched one (70 us at batch 64).
+    ``LOOM_TRITON_KVP`` overrides (for measuring)."""
+    if _FORCED_KVP:
+        return int(_FORCED_KVP)
+    if kv_dtype.itemsize == 1 and num_kv_splits(bs) == 1:
+        return 2
+    return 1
 
 
 @dataclass
@@ -103,6 +119,6 @@ class TritonAttnBackend(AttentionBackend):
             batch.seq_lens,
             layer.scaling,
             num_kv_splits(batch.batch_size),
-            kv_per_program=min(_KV_PER_PROGRAM, k_buf.shape[1]),
+            kv_per_program=min(kv_per_program(batch.batch_size, k_buf.dtype), k_buf.shape[1]),
         )
         return out.view(-1, layer.num_heads * layer.head_dim)
