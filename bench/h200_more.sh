@@ -246,6 +246,14 @@ final7)
     --batch-size 16 --num-prompts 32 --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -1 | tee -a "$log"
   LOOM_TRITON_KVP=2 offline "8b-1000-random-kvp2" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
   ;;
+last7)
+  # SmolLM2 batch 32 greedy vs penalties after the search interval became relative to the row's
+  # range (a warm-up penalties run compiles the kernels first)
+  offline "smol-b32-penalties-warmup" --model $SM --num-prompts 32 --input-len 128 --output-len 64 --max-running-requests 32 --sampling penalties
+  for s in greedy penalties greedy penalties; do
+    offline "smol-b32-$s" --model $SM --num-prompts 32 --input-len 128 --output-len 512 --max-running-requests 32 --sampling $s
+  done
+  ;;
 quickfused)
   $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or sampling_graph" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -30 | tee -a "$log"
   ;;

@@ -49,9 +49,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _GRAMMAR_MASK = os.environ.get("LOOM_GRAMMAR_MASK", "fused")
-# CUDA graphs of the fused sampling kernels (SamplingGraph), on by default: ~15 us of host time a
-# step instead of ~300 us for the kernels' launches (bench/sampling_host.py on the H200, session 7)
-_SAMPLING_GRAPH = os.environ.get("LOOM_SAMPLING_GRAPH", "1") == "1"
+# CUDA graphs of the fused sampling kernels (SamplingGraph), off by default. They cut a call's host
+# time from ~300 to ~15 us (bench/sampling_host.py on the H200, session 7), but the batch-32
+# decode steps measured with and without them took the same time (0.57 s for 511 SmolLM2 steps,
+# device-bound either way), and the one structured run with them on was much slower, for a
+# cause not yet isolated (docs/benchmarks.md, session 7). LOOM_SAMPLING_GRAPH=1 turns them on.
+_SAMPLING_GRAPH = os.environ.get("LOOM_SAMPLING_GRAPH", "0") == "1"
 
 
 @dataclass
@@ -145,7 +148,7 @@ class _SamplingPlan:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
     # On a GPU: penalties and bias applied by the sampling kernel itself (one launch a step)
     fused: FusedPenalties | None = None
-    # On CUDA (LOOM_SAMPLING_GRAPH=0 turns it off): the fused kernels captured in a CUDA graph
+    # LOOM_SAMPLING_GRAPH=1, on CUDA: the fused kernels captured in a CUDA graph
     # on the plan's third step (the first compiles them; a batch that changes every step or
     # two, as requests come and go, never pays for a capture it would not replay)
     graph: SamplingGraph | None = None
