@@ -253,9 +253,9 @@ if HAS_TRITON:
                 if min_p > 0.0:
                     tau0 = tl.maximum(tau0, m + temp * tl.log(min_p))
                 a = tau0
-                # any b above the maximum (nothing at or above it); one relative to the row's
-                # range keeps the rounds' resolution on rows of tiny logits (random weights: a
-                # range of ~0.01, which m + 1 would have left a fiftieth of after 3 rounds)
+                # any b above the maximum (nothing at or above it) will do; one relative to the
+                # row's range keeps the rounds' resolution on rows of small range (m + 1 would
+                # leave a row spanning 0.01 a fiftieth of it after 3 rounds)
                 b = m + tl.maximum(tl.maximum((m - a) * 0.0625, tl.abs(m) * 1e-6), 1e-30)
                 cnt_a = V * 1.0
                 cnt_b = 0.0
