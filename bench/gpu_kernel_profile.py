@@ -1,14 +1,16 @@
 """Which GPU kernels a workload runs and how long each takes (torch profiler / CUPTI).
 
 python bench/gpu_kernel_profile.py CONFIG.json BATCH INPUT_LEN OUTPUT_LEN [engine kwargs as k=v]
-    [--decode-only]
+    [--decode-only] [--sampling penalties]
 
 Dummy weights, bf16. Runs the batch once to warm up, then again under the profiler, and prints
 the kernels grouped by name (total device time, count, mean) per decode step and the sum, next
 to the measured wall time per step, so the gap (launch gaps, host time) is visible. Kernels
 inside CUDA graph replays are recorded too. ``--decode-only`` also profiles the batch with one
 output token (its prefill and first sample) and subtracts it, kernel by kernel, so what is left
-is the decode steps' alone.
+is the decode steps' alone. ``--sampling penalties``: every request samples with ``loom bench
+offline``'s penalties preset (temperature, top_p, three penalties, a logit bias) instead of
+greedily, to see which kernels a penalised step adds.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def _profiled(e, ids, params):
 def main() -> None:
     decode_only = "--decode-only" in sys.argv
     argv = [a for a in sys.argv if a != "--decode-only"]
+    preset = "greedy"
+    if "--sampling" in argv:
+        at = argv.index("--sampling")
+        preset = argv[at + 1]
+        del argv[at : at + 2]
     config, bs, n_in, n_out = argv[1], *map(int, argv[2:5])
     kwargs = dict(kv.split("=", 1) for kv in argv[5:])
     kwargs = {k: _value(v) for k, v in kwargs.items()}
@@ -69,7 +76,10 @@ def main() -> None:
         **kwargs,
     ) as e:
         ids = [[1000 + (i * 7 + j) % 30000 for j in range(n_in)] for i in range(bs)]
-        params = {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}
+        from loom.bench.offline import sampling_preset
+
+        extra = sampling_preset(preset, e.vocab_size)
+        params = {"max_new_tokens": n_out, "ignore_eos": True, **extra}
         e.generate(input_ids=ids, sampling_params=params)
         by_name, wall = _profiled(e, ids, params)
         if decode_only:  # minus the same batch's prefill and first token
@@ -85,7 +95,8 @@ def main() -> None:
     total = sum(sum(v) for v in by_name.values())
     steps = max(1, n_out - 1)
     print(
-        f"{config} batch {bs} in {n_in} out {n_out} ({info['attention_backend']}, cuda graphs "
+        f"{config} batch {bs} in {n_in} out {n_out}, {preset} "
+        f"({info['attention_backend']}, cuda graphs "
         f"{info.get('cuda_graphs')}): wall {1000 * wall:.1f} ms; kernels {total / 1000:.1f} ms "
         f"in all; per decode step (wall / {steps}) {1000 * wall / steps:.3f} ms"
     )

@@ -34,7 +34,14 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
-# Session 7's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+# Session 8's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+#   call 1: quick7 (GPU tests of the sampling kernels; the interval's relative upper end is new),
+#           last7 (SmolLM2 batch 32 greedy vs penalties), kprofsampling (which kernels the
+#           penalised step adds: ~115 us of device time a step against 51 us in the
+#           microbenchmark), structuredx with LOOM_SAMPLING_GRAPH=0 and =1 after a warm-up
+#   call 2: wl8b with LOOM_TRITON_KVP=1 and 2 in one call (bf16: two heads a program were 6%
+#           faster at 256 x 900 in attn_micro), wlfp8 again (12,000 on fp8: 11,347-11,940 so far)
+# Session 7's plan (done) (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
 #   call 1: quickfused (the SamplingGraph GPU tests), samplinghost (incl. 16 x 6 vs 32 x 5 vs
 #           64 x 4 thresholds x rounds), samplinggraph (first penalties run of each setting
 #           compiles: compare the later ones), structuredab
@@ -245,6 +252,15 @@ final7)
   $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
     --batch-size 16 --num-prompts 32 --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -1 | tee -a "$log"
   LOOM_TRITON_KVP=2 offline "8b-1000-random-kvp2" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
+  ;;
+kprofsampling)
+  # which kernels a penalised SmolLM2 decode step adds to a greedy one at batch 32 (session 7:
+  # ~115 us more device time a step, against 51 us in bench/sampling_host.py); then the same
+  # with the sampling graphs
+  for s in greedy penalties; do
+    $py bench/gpu_kernel_profile.py $SM 32 128 128 --decode-only --sampling $s 2>&1 | grep -v "^Loading" | tail -20 | tee -a "$log"
+  done
+  LOOM_SAMPLING_GRAPH=1 $py bench/gpu_kernel_profile.py $SM 32 128 128 --decode-only --sampling penalties 2>&1 | grep -v "^Loading" | tail -20 | tee -a "$log"
   ;;
 last7)
   # SmolLM2 batch 32 greedy vs penalties after the search interval became relative to the row's
