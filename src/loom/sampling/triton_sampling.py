@@ -739,7 +739,7 @@ def per_row_seeds(
 
 class SamplingGraph:
     """The fused sampling kernels of one batch captured in a CUDA graph: a decode step then costs
-    a copy of its logits (and of its grammar bitmask) and one replay, instead of up to nine
+    a copy of its logits (and of its grammar bitmask) and one replay, instead of up to six
     Triton launches at ~29 us of host time each (bench/sampling_host.py on the H200 machine),
     which a small model's decode step cannot hide. ``sample(logits, row_seeds, vocab_mask)``
     launches the kernels (``fused_sample`` with everything else of the batch bound); it is
