@@ -365,5 +365,7 @@ def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monke
             runs[graphs] = [
                 o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
             ]
+            # the step profile counts the captures (what bench output reports)
+            assert e.get_server_info()["num_sampling_graph_captures"] == (2 if graphs else 0)
     assert runs[True] == runs[False]
     assert captures == [3, 2], captures  # the full batch, then the two left after one finished

@@ -113,6 +113,8 @@ _STEP_KEYS = (
     "time_decode_s",
     "time_device_wait_s",
     "time_grammar_wait_s",
+    "num_sampling_graph_captures",
+    "time_sampling_graph_capture_s",
 )
 
 
@@ -124,12 +126,18 @@ def step_profile(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
 
 
 def format_step_profile(p: dict[str, Any]) -> str:
-    return (
+    out = (
         f"  steps: {p['num_prefill_batches']} prefill ({p['num_prompt_tokens']} prompt tokens, "
         f"{p['time_prefill_s']:.2f} s), {p['num_decode_batches']} decode (mean batch "
         f"{p['mean_decode_batch']:.1f}, {p['time_decode_s']:.2f} s); host blocked on the device "
         f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions"
     )
+    if p.get("num_sampling_graph_captures"):
+        out += (
+            f"; {p['num_sampling_graph_captures']} sampling graph captures "
+            f"({1000 * p['time_sampling_graph_capture_s']:.1f} ms)"
+        )
+    return out
 
 
 def build_hf_model(engine):

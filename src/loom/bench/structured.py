@@ -47,6 +47,14 @@ def _finished_text(out: dict[str, Any]) -> str | None:
     return out.get("text", "") if reason.get("type") == "stop" else None
 
 
+def _captures(steps: dict[str, Any]) -> str:
+    """The constrained run's sampling-graph captures (LOOM_SAMPLING_GRAPH=1), when any."""
+    n = steps.get("num_sampling_graph_captures", 0)
+    if not n:
+        return ""
+    return f"; {n} sampling graph captures ({1000 * steps['time_sampling_graph_capture_s']:.1f} ms)"
+
+
 def _parses(text: str) -> bool:
     # strict=False: xgrammar lets tokens carrying raw control characters into JSON strings
     # (random weights pick them; strict JSON forbids them), not a failure to constrain
@@ -161,6 +169,7 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         f"{result['unconstrained_decode_tok_s']:.1f} tok/s "
         f"({100 * result['decode_overhead']:+.1f}%), {tokens} tokens; "
         f"{result['grammar_ended_parse']}/{result['grammar_ended']} grammar-ended outputs parse"
+        + _captures(steps_con)
     )
     append_result(ns.result_file, result)
     return 0

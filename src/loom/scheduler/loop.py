@@ -64,6 +64,8 @@ def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
         "time_decode_s": sched.stats.time_decode_s,
         "time_device_wait_s": sched.stats.time_device_wait_s,
         "time_grammar_wait_s": sched.stats.time_grammar_wait_s,
+        "num_sampling_graph_captures": sched.stats.num_sampling_graph_captures,
+        "time_sampling_graph_capture_s": sched.stats.time_sampling_graph_capture_s,
     }
 
 

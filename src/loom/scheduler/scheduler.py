@@ -172,6 +172,10 @@ class SchedulerStats:
     time_decode_s: float = 0.0
     time_device_wait_s: float = 0.0
     time_grammar_wait_s: float = 0.0  # idle steps waiting only for grammar compiles
+    # CUDA graphs of the sampling kernels (LOOM_SAMPLING_GRAPH=1) captured, and the host time
+    # the captures took (a batch that changes often pays one every few steps)
+    num_sampling_graph_captures: int = 0
+    time_sampling_graph_capture_s: float = 0.0
 
 
 class Scheduler:
@@ -982,6 +986,7 @@ class Scheduler:
                 tokens = self._fused_sample(plan, logits, mask, row_seeds=plan.row_seeds)
                 plan.row_seeds.add_(1)
                 return tokens
+            t = time.perf_counter()
             try:
                 g = plan.graph = SamplingGraph(
                     logits,
@@ -994,6 +999,9 @@ class Scheduler:
                 logger.exception("capturing the sampling kernels failed; sampling eagerly")
                 self._sampling_graphs = False
                 return self._fused_sample(plan, logits, mask)
+            finally:
+                self.stats.num_sampling_graph_captures += 1
+                self.stats.time_sampling_graph_capture_s += time.perf_counter() - t
         return g(logits, mask)
 
     @staticmethod
