@@ -209,6 +209,25 @@ def test_fused_kernel_settles_draws_inside_an_open_search_interval(t, k, p):
     assert _chi2_p(counts[keep], expected[keep]) > 1e-3
 
 
+@_INTERPRETER
+def test_fused_kernel_keeps_a_tie_at_the_cut_whole():
+    """Four logits tied at top-k's cut (as bf16 logits often are): the rounds cannot split the
+    tie, the interval stays open holding that one value, and the pick kernel keeps the tie
+    whole without a check; the draws follow the softmax over the top logit and all four tied
+    ones (the sort-based reference would keep an arbitrary two of them)."""
+    from tests.test_sampling_params import _chi2_p
+
+    logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0, 1.5])
+    n = 400
+    draws = _fused_draws([SamplingParams(temperature=1.0, top_k=3)], n, logits=logits)
+    counts = torch.bincount(draws, minlength=len(logits)).double()
+    keep = torch.zeros(len(logits), dtype=torch.bool)
+    keep[:5] = True
+    assert counts[~keep].sum() == 0, "a token below the tie was sampled"
+    want = torch.softmax(logits[keep], -1) * n
+    assert _chi2_p(counts[keep], want) > 1e-3
+
+
 def gumbel_matches_per_column_philox(device) -> bool:
     """``_gumbel``'s noise for a block equals Philox evaluated column by column (counter
     ``c // 4``, output ``c % 4``): the noise of a column does not depend on the block or chunk

@@ -22,7 +22,9 @@ of a row exchange per-chunk partials between launches (a fixed number, so no hos
    set is then decided). Three rounds leave the interval ~5,000 times narrower than the row's
    range; a row whose interval still holds several logits draws over ``{x >= a}``, a superset of
    the kept set, and the pick kernel settles a draw that lands in ``[a, b)`` exactly (rejection
-   sampling: check the cut's definition at the drawn logit, redraw above it if it fails);
+   sampling: check the cut's definition at the drawn logit, redraw above it if it fails); an
+   interval holding a single value (a tie, as bf16 logits often have at a top-k cut) is kept
+   whole and needs no check;
 3. ``_draw_kernel`` takes the last step and draws ``argmax((x - m) / T + G)`` over the kept set in
    its chunk, with Gumbel noise ``G`` (the Gumbel-max trick, equivalent to the exponential race
    of the PyTorch path) from Triton's Philox generator (four columns an evaluation), seeded per
@@ -321,7 +323,8 @@ if HAS_TRITON:
         Zs,
         Cut,  # the last round's counts and masses
         St,  # the last round's state
-        Draw,  # [bs, P, 2] fp32: the chunk's best Gumbel score and its index
+        Draw,  # [bs, P, 4] fp32: the chunk's best Gumbel score, its index, and the smallest and
+        # largest of its logits inside the open interval [tau, b) (when SEARCH)
         Fin,  # [bs, 4] fp32: the draw's cut, the search's upper bound b, whether it was open
         stride_l,
         stride_p,
@@ -357,6 +360,7 @@ if HAS_TRITON:
                 tau = lo
                 if min_p > 0.0:
                     tau = tl.maximum(tau, m + temp * tl.log(min_p))
+                b = tau
             if HAS_SEEDS:
                 seed = tl.load(Seeds + row)
             else:
@@ -367,6 +371,8 @@ if HAS_TRITON:
             offs = tl.arange(0, BLOCK)
             t_vec = tl.full([BLOCK], -float("inf"), tl.float32)
             j_vec = tl.zeros([BLOCK], tl.int32)
+            in_lo = tl.full([BLOCK], float("inf"), tl.float32)
+            in_hi = tl.full([BLOCK], -float("inf"), tl.float32)
             for start in range(lo_col, hi_col, BLOCK):
                 cols = start + offs
                 x = tl.load(base + cols, mask=cols < hi_col, other=-float("inf"))
@@ -375,10 +381,17 @@ if HAS_TRITON:
                 up = score > t_vec
                 j_vec = tl.where(up, cols, j_vec)
                 t_vec = tl.where(up, score, t_vec)
+                if SEARCH:
+                    inside = (x >= tau) & (x < b)
+                    in_lo = tl.minimum(in_lo, tl.where(inside, x, float("inf")))
+                    in_hi = tl.maximum(in_hi, tl.where(inside, x, -float("inf")))
             top = tl.max(t_vec, 0)
             best = tl.min(tl.where(t_vec == top, j_vec, V), 0)
-            tl.store(Draw + (row * P + p) * 2, top)
-            tl.store(Draw + (row * P + p) * 2 + 1, best.to(tl.float32))
+            at = Draw + (row * P + p) * 4
+            tl.store(at, top)
+            tl.store(at + 1, best.to(tl.float32))
+            tl.store(at + 2, tl.min(in_lo, 0))
+            tl.store(at + 3, tl.max(in_hi, 0))
 
     @triton.jit
     def _pick_kernel(
@@ -415,12 +428,19 @@ if HAS_TRITON:
         else:
             offs = tl.arange(0, PB)
             mask = offs < P
-            score = tl.load(Draw + (row * P + offs) * 2, mask=mask, other=-float("inf"))
-            idx = tl.load(Draw + (row * P + offs) * 2 + 1, mask=mask, other=V * 1.0)
+            at = Draw + (row * P + offs) * 4
+            score = tl.load(at, mask=mask, other=-float("inf"))
+            idx = tl.load(at + 1, mask=mask, other=V * 1.0)
             top = tl.max(score, 0)
             token = tl.min(tl.where(score == top, idx, V * 1.0), 0).to(tl.int64)
             if SEARCH:
-                if tl.load(Fin + row * 4 + 2) > 0.0:
+                # An open interval holding a single value (ties, as bf16 logits often are at a
+                # top-k cut) is kept whole: the logits above it fail the cut's predicate (b does)
+                # and those from it on satisfy it (a does), so the cut is that value and a draw
+                # of it needs no check.
+                in_lo = tl.min(tl.load(at + 2, mask=mask, other=float("inf")), 0)
+                in_hi = tl.max(tl.load(at + 3, mask=mask, other=-float("inf")), 0)
+                if (tl.load(Fin + row * 4 + 2) > 0.0) & (in_hi > in_lo):
                     token = _settle(Logits, Params, Seeds, Stats, Zs, Fin, stride_l, stride_p,
                                     base_seed, V, P, row, token, HAS_SEEDS, PB, FB)  # fmt: skip
         tl.store(Out + row, token)
@@ -611,7 +631,7 @@ def fused_sample(
     state_rows = extras.state_rows if has_pen else out
     stats, zs, cut, st, draw, fin = _workspace(
         logits.device, (bs, chunks, 3), (bs, chunks), (2, bs, chunks, 2, nt), (2, bs, 8),
-        (bs, chunks, 2), (bs, 4),
+        (bs, chunks, 4), (bs, 4),
     )  # fmt: skip
     grid = (bs, chunks)
     _prep_kernel[grid](
