@@ -152,13 +152,17 @@ def _fused_draws(params, n, seeds=None, logits=None, iters=3, **kw):
     [(0.7, 3, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.3, 5, 0.9, 0.05), (1.0, -1, 1.0, 0.3)],
 )  # fmt: skip
 def test_fused_kernel_samples_follow_the_filtered_softmax(t, k, p, m):
+    draws = _fused_draws([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)], 800)
+    _assert_follows_filtered(draws, _FUSED_LOGITS, t, k, p, m)
+
+
+def _assert_follows_filtered(draws, logits, t, k, p, m):
+    """No filtered-out token drawn, and the draws' counts fit the sort-based reference."""
     from tests.test_sampling_params import _chi2_p
 
-    n = 800
-    draws = _fused_draws([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)], n)
-    counts = torch.bincount(draws, minlength=len(_FUSED_LOGITS)).double()
-    want = _reference_filtered(_FUSED_LOGITS, t, k if k > 0 else 0, p, m)
-    expected = want / want.sum() * n
+    counts = torch.bincount(draws, minlength=len(logits)).double()
+    want = _reference_filtered(logits, t, k if k > 0 else 0, p, m)
+    expected = want / want.sum() * len(draws)
     keep = expected > 0
     assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
     assert _chi2_p(counts[keep], expected[keep]) > 1e-3
@@ -168,17 +172,10 @@ def test_fused_kernel_samples_follow_the_filtered_softmax(t, k, p, m):
 def test_fused_kernel_with_64_thresholds_a_round_follows_the_filtered_softmax():
     """64 thresholds a round (two rounds narrow the range 65^2 times) give the same
     distribution: the setting bench/sampling_host.py compares with 16 and 6 rounds."""
-    from tests.test_sampling_params import _chi2_p
-
-    n, (t, k, p, m) = 800, (1.3, 5, 0.9, 0.05)
+    t, k, p, m = 1.3, 5, 0.9, 0.05
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)]
-    draws = _fused_draws(params, n, iters=2, thresholds=64)
-    counts = torch.bincount(draws, minlength=len(_FUSED_LOGITS)).double()
-    want = _reference_filtered(_FUSED_LOGITS, t, k, p, m)
-    expected = want / want.sum() * n
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
-    assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+    draws = _fused_draws(params, 800, iters=2, thresholds=64)
+    _assert_follows_filtered(draws, _FUSED_LOGITS, t, k, p, m)
 
 
 # 24 logits 0.02 apart between 0.6 and 1.06, a larger one and a few far below: one search round
@@ -196,17 +193,9 @@ def test_fused_kernel_settles_draws_inside_an_open_search_interval(t, k, p):
     interval (an exact check of the cut's definition at the drawn logit, a redraw above it when
     it fails). The result still follows the filtered softmax; without the settling, filtered
     tokens would be drawn."""
-    from tests.test_sampling_params import _chi2_p
-
-    n = 300
     params = [SamplingParams(temperature=t, top_k=k, top_p=p)]
-    draws = _fused_draws(params, n, logits=_DENSE_LOGITS, iters=1)
-    counts = torch.bincount(draws, minlength=len(_DENSE_LOGITS)).double()
-    want = _reference_filtered(_DENSE_LOGITS, t, k if k > 0 else 0, p, 0.0)
-    expected = want / want.sum() * n
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "a filtered-out token was sampled"
-    assert _chi2_p(counts[keep], expected[keep]) > 1e-3
+    draws = _fused_draws(params, 300, logits=_DENSE_LOGITS, iters=1)
+    _assert_follows_filtered(draws, _DENSE_LOGITS, t, k, p, 0.0)
 
 
 @_INTERPRETER
