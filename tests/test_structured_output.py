@@ -332,6 +332,83 @@ def test_fused_sampling_kernels_apply_the_grammar_mask_end_to_end(
     assert sum(calls) > 20  # the masks went through the fused kernels
 
 
+class _GraphStandIn:
+    """A stand-in for a CUDA SamplingGraph on CPU: "capture" binds the sampling function, each
+    "replay" runs it on the graph's static parameters (when it has them) and advances the
+    seeds, as a replay does."""
+
+    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
+        self.logits = torch.empty_like(logits)
+        self.seeds, self.sample, self.state, self.masked = row_seeds, sample, state, vocab_mask
+        self.params = None if params is None else params.clone()
+
+    def valid_for(self, logits, vocab_mask, state):
+        return (
+            logits.shape == self.logits.shape
+            and (vocab_mask is None) == (self.masked is None)
+            and (self.params is not None or state is self.state)
+        )
+
+    def adopt(self, params, row_seeds):
+        self.params.copy_(params)
+        if row_seeds is not self.seeds:
+            self.seeds.copy_(row_seeds)
+
+    def __call__(self, logits, vocab_mask=None):
+        if self.params is None:
+            tokens = self.sample(logits, self.seeds, vocab_mask)
+        else:
+            tokens = self.sample(logits, self.seeds, vocab_mask, self.params)
+        self.seeds.add_(1)
+        return tokens
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+    reason="Triton interpreter test (CPU only; tests/gpu runs the kernels on a GPU)",
+)
+def test_grammar_batches_share_sampling_graphs(gengine, monkeypatch):
+    """Sampling graphs of grammar batches (no penalties, no bias) are kept by batch shape and
+    kernel variant: a later batch of the same kind adopts one (its parameters and seeds copied
+    in) instead of capturing. Greedy and seeded constrained rows give the tokens of the plain
+    fused path, through captures, replays and adoptions (on CPU, with a stand-in graph)."""
+    import loom.scheduler.scheduler as sched_mod
+    from loom.sampling import triton_sampling
+
+    monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
+    monkeypatch.setattr(sched_mod, "SamplingGraph", _GraphStandIn)
+    monkeypatch.setattr(triton_sampling, "_CHUNK", 16384)
+    e = gengine
+    ids = [chat_ids(e, f"{task} Answer with a JSON object only.") for task, _ in SCHEMAS[:4]]
+    batches = []  # two batches of the same kind (size, mask, sampled rows with top-p)
+    for temperature, top_p in ((0.7, 0.95), (1.1, 0.8)):
+        params = []
+        for i, (_, schema) in enumerate(SCHEMAS[:4]):
+            p = {"max_new_tokens": 12, "json_schema": json.dumps(schema)}
+            sampled = {"temperature": temperature, "top_p": top_p, "seed": i}
+            p.update({"temperature": 0} if i % 2 else sampled)
+            params.append(p)
+        batches.append(params)
+
+    def run(params):
+        return [o["output_ids"] for o in e.generate(input_ids=ids, sampling_params=params)]
+
+    sched = e.scheduler
+    want = [run(params) for params in batches]
+    sched._sampling_graphs = True
+    try:
+        before = e.get_server_info()
+        runs = [run(params) for params in batches]
+        after = e.get_server_info()
+    finally:
+        sched._sampling_graphs = False
+        sched._shared_graphs.clear()
+    assert runs == want
+    captures = after["num_sampling_graph_captures"] - before["num_sampling_graph_captures"]
+    adoptions = after["num_sampling_graph_adoptions"] - before["num_sampling_graph_adoptions"]
+    assert captures == 1 and adoptions >= 1, (captures, adoptions)
+
+
 def test_structural_tag(gengine):
     """xgrammar: a function-call tag whose body is JSON; llguidance refuses it by name."""
     e = gengine

@@ -398,6 +398,43 @@ def test_cuda_sampling_graph_replays_the_eager_kernels():
     assert torch.equal(states[0].counts, states[1].counts)
 
 
+def test_cuda_sampling_graph_with_static_params_serves_another_batch():
+    """A SamplingGraph captured with ``params`` (a grammar batch: no penalties, no bias) reads
+    a static copy of them; after ``adopt`` with another batch's parameters and seeds, its
+    replays give exactly the eager kernels' tokens for that batch."""
+    from loom.sampling.sampler import SamplingBatchInfo
+    from loom.sampling.sampling_params import SamplingParams
+    from loom.sampling.triton_sampling import SamplingGraph, fused_sample
+
+    bs, vocab, dev = 8, 49_152, torch.device("cuda")
+    infos = [
+        SamplingBatchInfo.build(
+            [SamplingParams(temperature=t, top_p=p)] * 6 + [SamplingParams(temperature=0.0)] * 2,
+            [0] * bs, vocab, dev, with_params=True,
+        )
+        for t, p in ((0.8, 0.9), (1.2, 0.7))
+    ]  # fmt: skip
+    gen = torch.Generator(device=dev).manual_seed(1)
+    mask = torch.randint(-(2**31), 2**31 - 1, (bs, vocab // 32), device=dev, dtype=torch.int32,
+                         generator=gen)  # fmt: skip
+
+    def run(lg, rs, m, pr):
+        return fused_sample(lg, pr, None, vocab_mask=m, row_seeds=rs)
+
+    seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 777
+    run(torch.randn(bs, vocab, device=dev), seeds.clone(), mask, infos[0].params)  # compile
+    graph = SamplingGraph(
+        torch.empty(bs, vocab, device=dev), seeds.clone(), run, mask, params=infos[0].params
+    )
+    for info, start in ((infos[0], seeds), (infos[1], seeds + 1000)):
+        graph.adopt(info.params, start)
+        for step in range(3):
+            logits = torch.randn(bs, vocab, device=dev, generator=gen) * 3
+            got = graph(logits, mask).clone()
+            want = run(logits.clone(), start + step, mask, info.params)
+            assert torch.equal(got, want), step
+
+
 def test_engine_with_sampling_graphs_gives_the_eager_tokens(tiny_dir, monkeypatch):
     """LOOM_SAMPLING_GRAPH: seeded requests with penalties, bias and top-p give exactly the
     tokens of eager sampling, and the graphs were used."""

@@ -767,13 +767,20 @@ class SamplingGraph:
     ``row_seeds`` tensor, which every replay advances by one in place (a seeded row's output
     position advances by one a step; the caller's tensor stays current for a later capture).
     Valid while the batch, and so its parameters, penalty rows and bias, stays the same; the
-    penalty state's buffers must not move (``valid_for``)."""
+    penalty state's buffers must not move (``valid_for``).
 
-    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None) -> None:
+    With ``params`` (a batch without penalties or bias, e.g. a grammar batch), the graph reads a
+    static copy of the parameters too and is called ``sample(logits, row_seeds, vocab_mask,
+    params)``; ``adopt`` then hands it to another batch of the same size and kernel variant
+    (its parameters and seeds copied in), so a batch that changes as requests end needs no new
+    capture."""
+
+    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
         dev = logits.device
         self.logits = torch.empty_like(logits)
         self.seeds = row_seeds  # advanced in place by every replay
         self.mask = None if vocab_mask is None else torch.empty_like(vocab_mask)
+        self.params = None if params is None else params.clone()
         self._state_ptrs = _state_ptrs(state)
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -783,7 +790,10 @@ class SamplingGraph:
             # a global capture mode would turn any such call into an error)
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
-                self.tokens = sample(self.logits, self.seeds, self.mask)
+                if self.params is None:
+                    self.tokens = sample(self.logits, self.seeds, self.mask)
+                else:
+                    self.tokens = sample(self.logits, self.seeds, self.mask, self.params)
                 self.seeds.add_(1)
             finally:
                 self.graph.capture_end()
@@ -794,8 +804,15 @@ class SamplingGraph:
             logits.shape == self.logits.shape
             and logits.dtype == self.logits.dtype
             and (vocab_mask is None) == (self.mask is None)
-            and _state_ptrs(state) == self._state_ptrs
+            and (self.params is not None or _state_ptrs(state) == self._state_ptrs)
         )
+
+    def adopt(self, params: torch.Tensor, row_seeds: torch.Tensor) -> None:
+        """Serve another batch of the same size and kernel variant (a graph captured with
+        ``params``): its parameters and per-row seeds are copied into the static buffers."""
+        self.params.copy_(params)
+        if row_seeds is not self.seeds:
+            self.seeds.copy_(row_seeds)
 
     def __call__(self, logits: torch.Tensor, vocab_mask=None) -> torch.Tensor:
         """This step's tokens (the graph's output buffer: the next replay overwrites it, after

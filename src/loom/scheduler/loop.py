@@ -66,6 +66,7 @@ def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
         "time_grammar_wait_s": sched.stats.time_grammar_wait_s,
         "num_sampling_graph_captures": sched.stats.num_sampling_graph_captures,
         "time_sampling_graph_capture_s": sched.stats.time_sampling_graph_capture_s,
+        "num_sampling_graph_adoptions": sched.stats.num_sampling_graph_adoptions,
     }
 
 

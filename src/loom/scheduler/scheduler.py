@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,8 @@ _GRAMMAR_MASK = os.environ.get("LOOM_GRAMMAR_MASK", "fused")
 # device-bound either way), and the one structured run with them on was much slower, for a
 # cause not yet isolated (docs/benchmarks.md, session 7). LOOM_SAMPLING_GRAPH=1 turns them on.
 _SAMPLING_GRAPH = os.environ.get("LOOM_SAMPLING_GRAPH", "0") == "1"
+# The static logits of the sampling graphs kept for reuse across batches, at most (bytes)
+_SHARED_GRAPH_BYTES = 256 << 20
 
 
 @dataclass
@@ -176,6 +178,7 @@ class SchedulerStats:
     # the captures took (a batch that changes often pays one every few steps)
     num_sampling_graph_captures: int = 0
     time_sampling_graph_capture_s: float = 0.0
+    num_sampling_graph_adoptions: int = 0  # a new batch served by an earlier batch's graph
 
 
 class Scheduler:
@@ -229,6 +232,10 @@ class Scheduler:
         self._sampling_graphs = (
             _SAMPLING_GRAPH and runner.device.type == "cuda" and not server_args.disable_cuda_graph
         )
+        # sampling graphs of batches without penalties or bias (grammar batches), by batch shape
+        # and kernel variant, least recently used first: a new batch of the same kind adopts one
+        # instead of capturing
+        self._shared_graphs: OrderedDict[tuple, SamplingGraph] = OrderedDict()
         self._mask_bufs: list[torch.Tensor] | None = None  # pinned grammar bitmasks (CUDA)
         self._mask_flip = 0
 
@@ -957,11 +964,11 @@ class Scheduler:
             self.penalties.add(state_rows, picked, row_base, ones)
         return self._finish_sampled(tokens, raw, reqs, want_lp)
 
-    def _fused_sample(self, plan, logits, mask, row_seeds=None) -> torch.Tensor:
+    def _fused_sample(self, plan, logits, mask, row_seeds=None, params=None) -> torch.Tensor:
         info = plan.info
         return fused_sample(
             logits,
-            info.params,
+            info.params if params is None else params,
             None if row_seeds is not None else info.seeds,
             extras=plan.fused,
             state=self.penalties,
@@ -980,6 +987,14 @@ class Scheduler:
             if plan.row_seeds is None:
                 seeds = per_row_seeds(logits.shape[0], plan.info.seeds)
                 plan.row_seeds = torch.tensor(seeds, dtype=torch.int64).to(logits.device)
+            shared = self._shared_graph_key(plan, logits, mask)
+            g = self._shared_graphs.get(shared) if shared is not None else None
+            if g is not None and g.valid_for(logits, mask, self.penalties):
+                self._shared_graphs.move_to_end(shared)
+                g.adopt(plan.info.params, plan.row_seeds)
+                plan.row_seeds, plan.graph = g.seeds, g
+                self.stats.num_sampling_graph_adoptions += 1
+                return g(logits, mask)
             if plan.uses < 3:
                 # eagerly, with the per-row seeds the graph will read: the same kernel
                 # variants compile here, never inside the capture
@@ -988,13 +1003,31 @@ class Scheduler:
                 return tokens
             t = time.perf_counter()
             try:
-                g = plan.graph = SamplingGraph(
-                    logits,
-                    plan.row_seeds,
-                    lambda lg, rs, m: self._fused_sample(plan, lg, m, row_seeds=rs),
-                    vocab_mask=mask,
-                    state=self.penalties,
-                )
+                if shared is None:
+                    g = SamplingGraph(
+                        logits,
+                        plan.row_seeds,
+                        lambda lg, rs, m: self._fused_sample(plan, lg, m, row_seeds=rs),
+                        vocab_mask=mask,
+                        state=self.penalties,
+                    )
+                else:  # reads only the logits, mask, parameters and seeds: any batch of its kind
+                    g = self._shared_graphs[shared] = SamplingGraph(
+                        logits,
+                        plan.row_seeds,
+                        lambda lg, rs, m, pr: self._fused_sample(
+                            plan, lg, m, row_seeds=rs, params=pr
+                        ),
+                        vocab_mask=mask,
+                        params=plan.info.params,
+                    )
+                    # each holds a static copy of its batch's logits: keep their sum bounded
+                    while len(self._shared_graphs) > 1 and (
+                        sum(x.logits.nbytes for x in self._shared_graphs.values())
+                        > _SHARED_GRAPH_BYTES
+                    ):
+                        self._shared_graphs.popitem(last=False)
+                plan.graph = g
             except Exception:  # noqa: BLE001 - any capture failure: sample eagerly from now on
                 logger.exception("capturing the sampling kernels failed; sampling eagerly")
                 self._sampling_graphs = False
@@ -1003,6 +1036,18 @@ class Scheduler:
                 self.stats.num_sampling_graph_captures += 1
                 self.stats.time_sampling_graph_capture_s += time.perf_counter() - t
         return g(logits, mask)
+
+    @staticmethod
+    def _shared_graph_key(plan, logits, mask) -> tuple | None:
+        """The key under which a batch's sampling graph can serve later batches: for batches
+        whose fused kernels read no penalty rows and no bias (those are bound per batch), the
+        logits' shape and the kernel variant."""
+        f = plan.fused
+        if f.state_rows is not None or f.bias_ptr is not None:
+            return None
+        info = plan.info
+        search = info.need_top_k or info.need_top_p
+        return (tuple(logits.shape), logits.dtype, mask is None, info.is_all_greedy, search)
 
     @staticmethod
     def _finish_sampled(tokens, raw, reqs, want_lp) -> _Sampled:
