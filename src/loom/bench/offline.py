@@ -115,6 +115,7 @@ _STEP_KEYS = (
     "time_grammar_wait_s",
     "num_sampling_graph_captures",
     "time_sampling_graph_capture_s",
+    "num_sampling_graph_adoptions",
 )
 
 
@@ -132,12 +133,16 @@ def format_step_profile(p: dict[str, Any]) -> str:
         f"{p['mean_decode_batch']:.1f}, {p['time_decode_s']:.2f} s); host blocked on the device "
         f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions"
     )
-    if p.get("num_sampling_graph_captures"):
-        out += (
-            f"; {p['num_sampling_graph_captures']} sampling graph captures "
-            f"({1000 * p['time_sampling_graph_capture_s']:.1f} ms)"
-        )
-    return out
+    return out + sampling_graph_summary(p)
+
+
+def sampling_graph_summary(p: dict[str, Any]) -> str:
+    """The run's sampling-graph captures and adoptions (LOOM_SAMPLING_GRAPH=1), when any."""
+    n, adopted = p.get("num_sampling_graph_captures", 0), p.get("num_sampling_graph_adoptions", 0)
+    if not n and not adopted:
+        return ""
+    ms = 1000 * p.get("time_sampling_graph_capture_s", 0.0)
+    return f"; {n} sampling graph captures ({ms:.1f} ms), {adopted} adoptions"
 
 
 def build_hf_model(engine):

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from loom.bench import append_result
-from loom.bench.offline import step_profile
+from loom.bench.offline import sampling_graph_summary, step_profile
 
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:
@@ -45,14 +45,6 @@ def _finished_text(out: dict[str, Any]) -> str | None:
     """The text of an output that ended with a stop (the grammar's end), else None."""
     reason = out["meta_info"].get("finish_reason") or {}
     return out.get("text", "") if reason.get("type") == "stop" else None
-
-
-def _captures(steps: dict[str, Any]) -> str:
-    """The constrained run's sampling-graph captures (LOOM_SAMPLING_GRAPH=1), when any."""
-    n = steps.get("num_sampling_graph_captures", 0)
-    if not n:
-        return ""
-    return f"; {n} sampling graph captures ({1000 * steps['time_sampling_graph_capture_s']:.1f} ms)"
 
 
 def _parses(text: str) -> bool:
@@ -169,7 +161,7 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         f"{result['unconstrained_decode_tok_s']:.1f} tok/s "
         f"({100 * result['decode_overhead']:+.1f}%), {tokens} tokens; "
         f"{result['grammar_ended_parse']}/{result['grammar_ended']} grammar-ended outputs parse"
-        + _captures(steps_con)
+        + sampling_graph_summary(steps_con)
     )
     append_result(ns.result_file, result)
     return 0
