@@ -98,10 +98,10 @@ def _one_shape(bs, vocab, dev, xgr) -> list[dict]:
     try:
         seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 1
 
-        def draw(lg, rs, m):
+        def draw(lg, rs, m, _params):
             return fused_sample(lg, top_p.params, None, extras=extras, state=state, row_seeds=rs)
 
-        draw(logits.clone(), seeds, None)  # compiles this variant outside the capture
+        draw(logits.clone(), seeds, None, None)  # compiles this variant outside the capture
         graph = SamplingGraph(logits, seeds, draw, state=state)
         variants["same, replayed from a CUDA graph"] = lambda: graph(work)
     except Exception as e:  # noqa: BLE001 - report and go on with the other variants

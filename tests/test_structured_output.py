@@ -355,10 +355,7 @@ class _GraphStandIn:
             self.seeds.copy_(row_seeds)
 
     def __call__(self, logits, vocab_mask=None):
-        if self.params is None:
-            tokens = self.sample(logits, self.seeds, vocab_mask)
-        else:
-            tokens = self.sample(logits, self.seeds, vocab_mask, self.params)
+        tokens = self.sample(logits, self.seeds, vocab_mask, self.params)
         self.seeds.add_(1)
         return tokens
 

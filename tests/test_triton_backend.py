@@ -334,7 +334,7 @@ def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monke
     captures = []
 
     class StandIn:
-        def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None):
+        def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
             captures.append(logits.shape[0])
             self.seeds, self.sample, self.state = row_seeds, sample, state
 
@@ -342,7 +342,7 @@ def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monke
             return state is self.state
 
         def __call__(self, logits, vocab_mask=None):
-            tokens = self.sample(logits, self.seeds, vocab_mask)
+            tokens = self.sample(logits, self.seeds, vocab_mask, None)
             self.seeds.add_(1)
             return tokens
 

@@ -375,13 +375,13 @@ def test_cuda_sampling_graph_replays_the_eager_kernels():
     seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 12345
 
     def run(state, ex):
-        return lambda lg, rs, m: fused_sample(
+        return lambda lg, rs, m, _params: fused_sample(
             lg, info.params, None, extras=ex, state=state, vocab_mask=m, row_seeds=rs
         )
 
     # the kernel variants compile eagerly first (as the scheduler's first steps do), never
     # inside the capture
-    run(states[2], extras[2])(torch.randn(bs, vocab, device=dev), seeds.clone(), mask)
+    run(states[2], extras[2])(torch.randn(bs, vocab, device=dev), seeds.clone(), mask, None)
     graph = SamplingGraph(
         torch.empty(bs, vocab, device=dev),
         seeds.clone(),  # advanced in place by each replay
@@ -393,7 +393,7 @@ def test_cuda_sampling_graph_replays_the_eager_kernels():
     for step in range(5):
         logits = torch.randn(bs, vocab, device=dev, generator=gen) * 3
         got = graph(logits, mask).clone()
-        want = eager(logits.clone(), seeds + step, mask)
+        want = eager(logits.clone(), seeds + step, mask, None)
         assert torch.equal(got, want), step
     assert torch.equal(states[0].counts, states[1].counts)
 

@@ -761,8 +761,9 @@ class SamplingGraph:
     """The fused sampling kernels of one batch captured in a CUDA graph: a decode step then costs
     a copy of its logits (and of its grammar bitmask) and one replay, instead of up to six
     Triton launches at ~29 us of host time each (bench/sampling_host.py on the H200 machine),
-    which a small model's decode step cannot hide. ``sample(logits, row_seeds, vocab_mask)``
-    launches the kernels (``fused_sample`` with everything else of the batch bound); it is
+    which a small model's decode step cannot hide. ``sample(logits, row_seeds, vocab_mask,
+    params)`` launches the kernels (``fused_sample`` with everything else of the batch bound;
+    ``params`` is None unless the graph was given its own, below); it is
     captured once, on a side stream, reading static ``logits`` / ``vocab_mask`` buffers and the
     ``row_seeds`` tensor, which every replay advances by one in place (a seeded row's output
     position advances by one a step; the caller's tensor stays current for a later capture).
@@ -770,8 +771,8 @@ class SamplingGraph:
     penalty state's buffers must not move (``valid_for``).
 
     With ``params`` (a batch without penalties or bias, e.g. a grammar batch), the graph reads a
-    static copy of the parameters too and is called ``sample(logits, row_seeds, vocab_mask,
-    params)``; ``adopt`` then hands it to another batch of the same size and kernel variant
+    static copy of the parameters too; ``adopt`` then hands it to another batch of the same size
+    and kernel variant
     (its parameters and seeds copied in), so a batch that changes as requests end needs no new
     capture."""
 
@@ -790,10 +791,7 @@ class SamplingGraph:
             # a global capture mode would turn any such call into an error)
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
-                if self.params is None:
-                    self.tokens = sample(self.logits, self.seeds, self.mask)
-                else:
-                    self.tokens = sample(self.logits, self.seeds, self.mask, self.params)
+                self.tokens = sample(self.logits, self.seeds, self.mask, self.params)
                 self.seeds.add_(1)
             finally:
                 self.graph.capture_end()

@@ -1003,24 +1003,18 @@ class Scheduler:
                 return tokens
             t = time.perf_counter()
             try:
-                if shared is None:
-                    g = SamplingGraph(
-                        logits,
-                        plan.row_seeds,
-                        lambda lg, rs, m: self._fused_sample(plan, lg, m, row_seeds=rs),
-                        vocab_mask=mask,
-                        state=self.penalties,
-                    )
-                else:  # reads only the logits, mask, parameters and seeds: any batch of its kind
-                    g = self._shared_graphs[shared] = SamplingGraph(
-                        logits,
-                        plan.row_seeds,
-                        lambda lg, rs, m, pr: self._fused_sample(
-                            plan, lg, m, row_seeds=rs, params=pr
-                        ),
-                        vocab_mask=mask,
-                        params=plan.info.params,
-                    )
+                # a shared graph reads its own copy of the parameters and no penalty state: any
+                # batch of its kind can adopt it
+                g = SamplingGraph(
+                    logits,
+                    plan.row_seeds,
+                    lambda lg, rs, m, pr: self._fused_sample(plan, lg, m, row_seeds=rs, params=pr),
+                    vocab_mask=mask,
+                    state=None if shared is not None else self.penalties,
+                    params=plan.info.params if shared is not None else None,
+                )
+                if shared is not None:
+                    self._shared_graphs[shared] = g
                     # each holds a static copy of its batch's logits: keep their sum bounded
                     while len(self._shared_graphs) > 1 and (
                         sum(x.logits.nbytes for x in self._shared_graphs.values())
