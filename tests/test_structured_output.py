@@ -17,7 +17,7 @@ import loom
 from loom import plugins
 from loom.bench.json_schemas import SCHEMAS
 from loom.testing import check_grammar_backend
-from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.conftest import CHAT_PROMPTS, GraphStandIn, chat_ids
 
 BACKENDS = ["xgrammar", "llguidance"]
 FREE = {"max_new_tokens": 24, "temperature": 0}
@@ -332,34 +332,6 @@ def test_fused_sampling_kernels_apply_the_grammar_mask_end_to_end(
     assert sum(calls) > 20  # the masks went through the fused kernels
 
 
-class _GraphStandIn:
-    """A stand-in for a CUDA SamplingGraph on CPU: "capture" binds the sampling function, each
-    "replay" runs it on the graph's static parameters (when it has them) and advances the
-    seeds, as a replay does."""
-
-    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
-        self.logits = torch.empty_like(logits)
-        self.seeds, self.sample, self.state, self.masked = row_seeds, sample, state, vocab_mask
-        self.params = None if params is None else params.clone()
-
-    def valid_for(self, logits, vocab_mask, state):
-        return (
-            logits.shape == self.logits.shape
-            and (vocab_mask is None) == (self.masked is None)
-            and (self.params is not None or state is self.state)
-        )
-
-    def adopt(self, params, row_seeds):
-        self.params.copy_(params)
-        if row_seeds is not self.seeds:
-            self.seeds.copy_(row_seeds)
-
-    def __call__(self, logits, vocab_mask=None):
-        tokens = self.sample(logits, self.seeds, vocab_mask, self.params)
-        self.seeds.add_(1)
-        return tokens
-
-
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
     reason="Triton interpreter test (CPU only; tests/gpu runs the kernels on a GPU)",
@@ -373,7 +345,7 @@ def test_grammar_batches_share_sampling_graphs(gengine, monkeypatch):
     from loom.sampling import triton_sampling
 
     monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
-    monkeypatch.setattr(sched_mod, "SamplingGraph", _GraphStandIn)
+    monkeypatch.setattr(sched_mod, "SamplingGraph", GraphStandIn)
     monkeypatch.setattr(triton_sampling, "_CHUNK", 16384)
     e = gengine
     ids = [chat_ids(e, f"{task} Answer with a JSON object only.") for task, _ in SCHEMAS[:4]]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import loom
-from tests.conftest import save_tiny_llama
+from tests.conftest import GraphStandIn, save_tiny_llama
 
 pytest.importorskip("triton")
 
@@ -331,21 +331,6 @@ def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monke
     that shrinks (a new plan, a new capture)."""
     import loom.scheduler.scheduler as sched_mod
 
-    captures = []
-
-    class StandIn:
-        def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
-            captures.append(logits.shape[0])
-            self.seeds, self.sample, self.state = row_seeds, sample, state
-
-        def valid_for(self, logits, vocab_mask, state):
-            return state is self.state
-
-        def __call__(self, logits, vocab_mask=None):
-            tokens = self.sample(logits, self.seeds, vocab_mask, None)
-            self.seeds.add_(1)
-            return tokens
-
     prompts = [
         torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for n in (3, 17, 40)
@@ -357,7 +342,8 @@ def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monke
     ]  # fmt: skip
     kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=1024, dtype="float32")
     monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
-    monkeypatch.setattr(sched_mod, "SamplingGraph", StandIn)
+    monkeypatch.setattr(sched_mod, "SamplingGraph", GraphStandIn)
+    monkeypatch.setattr(GraphStandIn, "made", [])
     runs = {}
     for graphs in (False, True):
         with loom.Engine(attention_backend="torch_native", **kw) as e:
@@ -368,4 +354,5 @@ def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monke
             # the step profile counts the captures (what bench output reports)
             assert e.get_server_info()["num_sampling_graph_captures"] == (2 if graphs else 0)
     assert runs[True] == runs[False]
-    assert captures == [3, 2], captures  # the full batch, then the two left after one finished
+    # the full batch, then the two left after one finished
+    assert GraphStandIn.made == [3, 2], GraphStandIn.made
