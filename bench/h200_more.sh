@@ -322,7 +322,7 @@ structuredx)
   for bs in 1 16; do
     $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
       --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
-      --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
+      --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -4 | tee -a "$log"
   done
   ;;
 structuredab)

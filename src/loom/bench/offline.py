@@ -116,6 +116,10 @@ _STEP_KEYS = (
     "num_sampling_graph_captures",
     "time_sampling_graph_capture_s",
     "num_sampling_graph_adoptions",
+    "time_forward_launch_s",
+    "time_sampling_launch_s",
+    "time_resolve_s",
+    "time_grammar_mask_s",
 )
 
 
@@ -133,7 +137,22 @@ def format_step_profile(p: dict[str, Any]) -> str:
         f"{p['mean_decode_batch']:.1f}, {p['time_decode_s']:.2f} s); host blocked on the device "
         f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions"
     )
-    return out + sampling_graph_summary(p)
+    return out + sampling_graph_summary(p) + "\n  " + host_phases(p)
+
+
+def host_phases(p: dict[str, Any]) -> str:
+    """Host time of a decode step by phase, in microseconds (device waits excluded)."""
+    n = max(1, p["num_decode_batches"])
+
+    def us(key: str) -> float:
+        return 1e6 * p.get(key, 0.0) / n
+
+    return (
+        f"decode step host us: forward launch {us('time_forward_launch_s'):.0f}, sampling "
+        f"{us('time_sampling_launch_s'):.0f} (grammar masks {us('time_grammar_mask_s'):.0f}), "
+        f"resolve {us('time_resolve_s'):.0f}, device wait {us('time_device_wait_s'):.0f}, "
+        f"total {us('time_decode_s'):.0f}"
+    )
 
 
 def sampling_graph_summary(p: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from loom.bench import append_result
-from loom.bench.offline import sampling_graph_summary, step_profile
+from loom.bench.offline import host_phases, sampling_graph_summary, step_profile
 
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:
@@ -163,5 +163,7 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         f"{result['grammar_ended_parse']}/{result['grammar_ended']} grammar-ended outputs parse"
         + sampling_graph_summary(steps_con)
     )
+    for tag, st in (("constrained", steps_con), ("unconstrained", steps_free)):
+        print(f"  {tag}: {host_phases(st)}")
     append_result(ns.result_file, result)
     return 0

@@ -67,6 +67,10 @@ def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
         "num_sampling_graph_captures": sched.stats.num_sampling_graph_captures,
         "time_sampling_graph_capture_s": sched.stats.time_sampling_graph_capture_s,
         "num_sampling_graph_adoptions": sched.stats.num_sampling_graph_adoptions,
+        "time_forward_launch_s": sched.stats.time_forward_launch_s,
+        "time_sampling_launch_s": sched.stats.time_sampling_launch_s,
+        "time_resolve_s": sched.stats.time_resolve_s,
+        "time_grammar_mask_s": sched.stats.time_grammar_mask_s,
     }
 
 

@@ -179,6 +179,15 @@ class SchedulerStats:
     num_sampling_graph_captures: int = 0
     time_sampling_graph_capture_s: float = 0.0
     num_sampling_graph_adoptions: int = 0  # a new batch served by an earlier batch's graph
+    # Host time of decode steps by phase, device waits excluded (where a host-bound step goes):
+    # building the inputs and launching the forward (or replaying its graph); the sampling
+    # plan, logits processors, grammar masks and sampling kernels, and the copy of the tokens
+    # to the host; applying the tokens (grammar matchers, stop checks, outputs). Grammar
+    # bitmask fills are also counted alone (prefill steps' included).
+    time_forward_launch_s: float = 0.0
+    time_sampling_launch_s: float = 0.0
+    time_resolve_s: float = 0.0
+    time_grammar_mask_s: float = 0.0
 
 
 class Scheduler:
@@ -425,7 +434,7 @@ class Scheduler:
                     # while the device computes N+1's logits.
                     logits, reqs = self._forward_decode(chained=True)
                     outputs += self._resolve(self._inflight)
-                    nxt = _InflightDecode.start(reqs, self._sample_device(logits, reqs))
+                    nxt = self._start_sampling(logits, reqs, pending=0)
                 else:
                     nxt = self._launch_decode(chained=True)
                     outputs += self._resolve(self._inflight)
@@ -831,10 +840,16 @@ class Scheduler:
         """Launch one decode step over ``running`` (room ensured). ``chained``: the previous
         step is still in flight and its sampled tokens, still on the device, are the inputs."""
         logits, reqs = self._forward_decode(chained)
-        sampled = self._sample_device(logits, reqs, pending=1 if chained else 0)
-        return _InflightDecode.start(reqs, sampled)
+        return self._start_sampling(logits, reqs, pending=1 if chained else 0)
+
+    def _start_sampling(self, logits: torch.Tensor, reqs: list[Req], pending: int):
+        t = time.perf_counter()
+        inflight = _InflightDecode.start(reqs, self._sample_device(logits, reqs, pending))
+        self.stats.time_sampling_launch_s += time.perf_counter() - t
+        return inflight
 
     def _forward_decode(self, chained: bool) -> tuple[torch.Tensor, list[Req]]:
+        t = time.perf_counter()
         self.stats.num_decode_batches += 1
         self.stats.num_decode_tokens += len(self.running)
         reqs = list(self.running)
@@ -853,11 +868,13 @@ class Scheduler:
             logits = self.runner.forward_decode(reqs, input_ids, positions, locs)
         for req in reqs:
             req.kv_len += 1
+        self.stats.time_forward_launch_s += time.perf_counter() - t
         return logits, reqs
 
     def _resolve(self, inflight: _InflightDecode) -> list[ReqOutput]:
         """Wait for a launched decode step's tokens and apply them."""
         outputs = []
+        t, waited = time.perf_counter(), self.stats.time_device_wait_s
         tokens, lps = inflight.host_results(self.stats)
         for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
             if req.is_finished:  # finished by the step before (overlap ran one step past it)
@@ -865,6 +882,8 @@ class Scheduler:
             outputs.append(self._append_token(req, tok, lp))
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
+        dt = time.perf_counter() - t - (self.stats.time_device_wait_s - waited)
+        self.stats.time_resolve_s += dt
         return outputs
 
     def _can_chain(self) -> bool:
@@ -1175,13 +1194,16 @@ class Scheduler:
     def _grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """The step's grammar bitmask on ``logits``' device, filled on the host (on a GPU this
         overlaps the forward pass just launched) and copied without a sync."""
+        t = time.perf_counter()
         backend = self.grammar_mgr.backend
         mask = self._host_vocab_mask(backend, len(reqs), logits.device)
         # (a request that finished while this step's forward ran keeps an unmasked row; its
         # token is discarded)
         rows = [i for i, req in enumerate(reqs) if req.grammar is not None and not req.is_finished]
         backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
-        return mask.to(logits.device, non_blocking=True)
+        mask = mask.to(logits.device, non_blocking=True)
+        self.stats.time_grammar_mask_s += time.perf_counter() - t
+        return mask
 
     def _host_vocab_mask(self, backend, bs: int, device: torch.device) -> torch.Tensor:
         """The host bitmask for this step. On CUDA: alternate halves of two pinned buffers, so
