@@ -222,6 +222,10 @@ def test_step_profile_accounts_for_every_step(engine, prompts_ids):
     assert p["num_prefill_batches"] >= 1 and p["num_decode_batches"] >= 5
     assert p["time_prefill_s"] > 0 and p["time_decode_s"] > 0
     assert p["mean_decode_batch"] == p["num_decode_tokens"] / p["num_decode_batches"]
+    # the decode steps' host phases are each timed and lie within the decode steps' time
+    phases = [p[k] for k in ("time_forward_launch_s", "time_sampling_launch_s", "time_resolve_s")]
+    assert all(x > 0 for x in phases)
+    assert sum(phases) + p["time_device_wait_s"] <= p["time_decode_s"]
 
 
 def test_step_profile_counts_the_wait_for_the_inflight_decode_as_decode():
