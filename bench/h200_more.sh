@@ -258,9 +258,9 @@ kprofsampling)
   # ~115 us more device time a step, against 51 us in bench/sampling_host.py); then the same
   # with the sampling graphs
   for s in greedy penalties; do
-    $py bench/gpu_kernel_profile.py $SM 32 128 128 --decode-only --sampling $s 2>&1 | grep -v "^Loading" | tail -20 | tee -a "$log"
+    $py bench/gpu_kernel_profile.py $SM 32 128 128 --decode-only --sampling $s 2>&1 | grep -v "^Loading" | grep -A24 '^configs' | tee -a "$log"
   done
-  LOOM_SAMPLING_GRAPH=1 $py bench/gpu_kernel_profile.py $SM 32 128 128 --decode-only --sampling penalties 2>&1 | grep -v "^Loading" | tail -20 | tee -a "$log"
+  LOOM_SAMPLING_GRAPH=1 $py bench/gpu_kernel_profile.py $SM 32 128 128 --decode-only --sampling penalties 2>&1 | grep -v "^Loading" | grep -A24 '^configs' | tee -a "$log"
   ;;
 last7)
   # SmolLM2 batch 32 greedy vs penalties after the search interval became relative to the row's
@@ -323,6 +323,19 @@ structuredx)
     $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
       --batch-size $bs --num-prompts $([ $bs = 1 ] && echo 8 || echo 32) \
       --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -4 | tee -a "$log"
+  done
+  ;;
+structuredgraph)
+  # SmolLM2 batch 16, xgrammar: sampling graphs off / on, alternating, twice (on: grammar
+  # batches adopt shared graphs; the line reports captures and adoptions, and each run's
+  # decode-step host phases)
+  for i in 1 2; do
+    for g in 0 1; do
+      echo "-- LOOM_SAMPLING_GRAPH=$g" | tee -a "$log"
+      LOOM_SAMPLING_GRAPH=$g $py -m loom.cli bench structured --model $SM --load-format dummy \
+        --tokenizer-path .tok --batch-size 16 --num-prompts 32 --max-new-tokens 64 \
+        --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+    done
   done
   ;;
 structuredab)
