@@ -4,6 +4,7 @@ against FlashInfer's decode (when it imports), timed as CUDA graphs, with the by
 per second.
 
 python bench/attn_micro.py [RESULTS.jsonl]
+python bench/attn_micro.py --sweep [RESULTS.jsonl]   # launch variants at the 8B workload's shape
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
     must not fail the rows after it (as it did on the H200 once)."""
     import subprocess
 
+    if len(sys.argv) > 1 and sys.argv[1] == "--sweep":
+        return sweep(sys.argv[2] if len(sys.argv) > 2 else None)
     if len(sys.argv) > 2 and sys.argv[1] == "--row":
         return run_row(
             int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None
@@ -161,6 +164,35 @@ def run_row(bs: int, ctx: int, results: str | None) -> None:
     if results:
         with open(results, "a") as f:
             f.write(json.dumps({"bench": "attn_micro", "bs": bs, "ctx": ctx, **times}) + "\n")
+
+
+def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
+    """The decode kernel's tile and launch options at the 1000-request 8B workload's mean decode
+    step (batch ~540 over ~840 tokens; one split): over an fp8 cache every combination of KV
+    heads a program, tile length, warps, pipeline stages and slot prefetch; over bf16 the
+    default against two heads a program."""
+    import itertools
+
+    fp8 = torch.float8_e4m3fn
+    runs = [("bf16-kv1", torch.bfloat16, None, {}), ("bf16-kv2", torch.bfloat16, None,
+            {"kv_per_program": 2}), ("fp8-kv1", fp8, None, {})]  # fmt: skip
+    for bn, warps, stages, pf in itertools.product((64, 128), (4, 8), (None, 2, 4), (0, 1)):
+        launch = {"kv_per_program": 2, "prefetch": bool(pf)}
+        launch |= {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
+        runs.append((f"fp8-kv2-n{bn}-w{warps}-s{stages or 'd'}-pf{pf}", fp8, bn, launch))
+    times = {}
+    for name, kv_dtype, bn, launch in runs:
+        try:
+            times[name] = triton_time(bs, ctx, 1, True, kv_dtype, bn, launch) * 1000
+        except Exception as e:  # noqa: BLE001
+            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        v = times[name]
+        kv_bytes = bs * ctx * HK * D * 2 * (1 if name.startswith("fp8") else 2)
+        cell = f"{v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else v
+        print(f"bs {bs:4d} ctx {ctx:5d} {name:28s} {cell}", flush=True)
+    if results:
+        with open(results, "a") as f:
+            f.write(json.dumps({"bench": "attn_sweep", "bs": bs, "ctx": ctx, **times}) + "\n")
 
 
 if __name__ == "__main__":

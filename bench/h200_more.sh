@@ -357,6 +357,10 @@ structured8bx)
       --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
   done
   ;;
+attnsweep)
+  # the Triton decode's launch options at the 8B workload's mean decode step (512 x 850)
+  $py bench/attn_micro.py --sweep "$out/results.jsonl" 2>&1 | grep -E "^bs|rror" | tee -a "$log"
+  ;;
 attn)
   $py bench/attn_micro.py "$out/results.jsonl" 2>&1 | grep -E "^bs|rror" | tee -a "$log"
   ;;

@@ -218,10 +218,19 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp):
     ],
 )
 @pytest.mark.parametrize(
-    "block_n,prefetch,kvp", [(None, False, 1), (128, False, 1), (None, True, 1), (None, False, 2)]
+    "block_n,prefetch,kvp,splits",
+    [
+        (None, False, 1, 8),
+        (128, False, 1, 8),
+        (None, True, 1, 8),
+        (None, False, 2, 8),
+        # one split: several tiles a program, so the prefetched slots carry across iterations
+        (None, True, 1, 1),
+        (16, True, 2, 1),
+    ],
 )
 def test_decode_default_variant_in_half_precision_matches_dense_attention(
-    dtype, kv_dtype, block_n, prefetch, kvp
+    dtype, kv_dtype, block_n, prefetch, kvp, splits
 ):
     """fp16/bf16 take the tl.dot variant by default (the GPU default for half-precision
     models); over an fp8 cache its dots run in fp16. Triton's CPU interpreter computes tl.dot on
@@ -248,7 +257,7 @@ def test_decode_default_variant_in_half_precision_matches_dense_attention(
         torch.arange(2, device=device),
         torch.tensor(lens, device=device),
         head_dim**-0.5,
-        8,
+        splits,
         block_n=block_n,
         prefetch=prefetch,
         kv_per_program=kvp,

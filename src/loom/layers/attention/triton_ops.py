@@ -101,15 +101,15 @@ def _decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # PREFETCH: the next tile's slots load while this tile's K/V are in flight, so each
-    # iteration waits on one round trip instead of two (slots, then the K/V they point to)
-    if PREFETCH:
-        first = start + tl.arange(0, BLOCK_N)
-        loc = tl.load(ReqToToken + row * stride_rt + first, mask=first < end, other=0)
     # KVP > 1: a tile row per (token, KV head), the heads of a token adjacent (one contiguous
     # KVP * head_dim run of the pool per token); query rows attend only to their own head's
     # rows (a block-diagonal mask), so one program reads KVP heads' K/V per slot lookup
     offs_r = tl.arange(0, BLOCK_N * KVP)
+    # PREFETCH: the next tile's slots load while this tile's K/V are in flight, so each
+    # iteration waits on one round trip instead of two (slots, then the K/V they point to)
+    if PREFETCH:
+        first = start + offs_r // KVP
+        loc = tl.load(ReqToToken + row * stride_rt + first, mask=first < end, other=0)
     if KVP > 1:
         r_head = (kv_head * KVP + offs_r % KVP)[:, None]  # each tile row's KV head
         k_head = r_head * stride_kh
@@ -250,9 +250,8 @@ def decode_attention(
     kv_heads = k_buf.shape[1]
     group = num_heads // kv_heads
     kvp = kv_per_program
-    if kvp < 1 or kvp & (kvp - 1) or kv_heads % kvp or (kvp > 1 and prefetch):
-        raise ValueError(f"kv_per_program={kvp}: a power of two dividing {kv_heads} KV heads, "
-                         "without prefetch")  # fmt: skip
+    if kvp < 1 or kvp & (kvp - 1) or kv_heads % kvp:
+        raise ValueError(f"kv_per_program={kvp}: a power of two dividing {kv_heads} KV heads")
     if mid_o is None:
         mid_o = torch.empty(
             bs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
