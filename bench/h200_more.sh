@@ -325,6 +325,28 @@ structuredx)
       --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -4 | tee -a "$log"
   done
   ;;
+pyspystruct)
+  # where the host time of SmolLM2's constrained batch-16 steps goes: one run to warm the
+  # kernel caches, then py-spy (by function, without pausing the process) over a run of 64
+  # prompts; the scheduler thread's functions, then the stacks under _sample_device alone
+  st() { $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --batch-size 16 --max-new-tokens 64 --result-file "$out/results.jsonl" "$@"; }
+  st --num-prompts 16 2>&1 | grep "Loom structured" | tee -a "$log"
+  /tmp/site2/bin/py-spy record -r 1000 --function --nonblocking -f raw -o "$out/spy-struct.txt" \
+    -- $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --batch-size 16 --max-new-tokens 64 --num-prompts 64 2>&1 | grep -A2 "Loom structured" | tee -a "$log"
+  $py bench/pyspy_top.py "$out/spy-struct.txt" 40 | tee -a "$log"
+  $py bench/pyspy_top.py "$out/spy-struct.txt" 40 _sample_device | tee -a "$log"
+  $py bench/pyspy_top.py "$out/spy-struct.txt" 25 run_structured | tee -a "$log"
+  ;;
+structuredproc16)
+  # SmolLM2 batch 16 with the scheduler in its own process (as loom serve runs it), twice
+  for i in 1 2; do
+    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+      --engine-backend process --batch-size 16 --num-prompts 32 --max-new-tokens 64 \
+      --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  done
+  ;;
 structuredgraph)
   # SmolLM2 batch 16, xgrammar: sampling graphs off / on, alternating, twice (on: grammar
   # batches adopt shared graphs; the line reports captures and adoptions, and each run's
