@@ -56,11 +56,13 @@ def test_greedy_equals_torch_native(tiny_dir, backend):
 
 
 def test_greedy_with_several_kv_heads_per_decode_program_equals_torch_native(tiny_dir, monkeypatch):
-    """LOOM_TRITON_KVP (the decode variant reading several KV heads per program), end to end."""
+    """LOOM_TRITON_KVP (the decode variant reading several KV heads per program, with the
+    next tile's slots prefetched, as over fp8 caches at large batches), end to end."""
     import loom.layers.attention.triton_backend as tb
 
     prompts, params, kw, want = _reference_run(tiny_dir)
     monkeypatch.setattr(tb, "_FORCED_KVP", "2")
+    monkeypatch.setattr(tb, "_FORCED_PREFETCH", "1")
     with loom.Engine(attention_backend="triton", **kw) as e:
         assert e.runner.kv_pool.get_kv(0)[0].shape[1] >= 2
         got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
@@ -72,9 +74,13 @@ def test_kv_heads_per_decode_program_by_cache_dtype_and_batch(monkeypatch):
     import loom.layers.attention.triton_backend as tb
 
     monkeypatch.setattr(tb, "_FORCED_KVP", None)
+    monkeypatch.setattr(tb, "_FORCED_PREFETCH", None)
     fp8 = torch.float8_e4m3fn
     assert [tb.kv_per_program(bs, fp8) for bs in (1, 4, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 2]
     assert {tb.kv_per_program(bs, torch.bfloat16) for bs in (1, 64, 1000)} == {1}
+    # slots prefetched where two heads a program read an fp8 cache
+    assert [tb.decode_prefetch(bs, fp8) for bs in (1, 32, 33, 1000)] == [False, False, True, True]
+    assert not tb.decode_prefetch(1000, torch.bfloat16)
     monkeypatch.setattr(tb, "_FORCED_KVP", "4")
     assert tb.kv_per_program(1, torch.bfloat16) == 4
 

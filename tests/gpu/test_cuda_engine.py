@@ -305,6 +305,39 @@ def _fused_chi2(logits, t, k, p, m, n, iters):
     assert _chi2_p(counts[keep].double(), expected[keep]) > 1e-3
 
 
+def test_cuda_sampling_kernels_do_not_recompile_per_seed_or_batch_size():
+    """The random base seed and the batch size change every step; after a first call of each
+    kernel variant, seeds divisible by 16 or not and 16, 15, 2 or 1 rows add no compiled
+    kernels (Triton specialised on both, which compiled variants in the middle of serving). Seeds
+    are 64-bit here, as the random ones always are (Triton types a smaller int as 32-bit)."""
+    from loom.sampling import triton_sampling as ts
+
+    kernels = (ts._prep_kernel, ts._round_kernel, ts._draw_kernel, ts._pick_kernel)
+
+    def compiled() -> int:
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    def call(bs: int, seed: int | None, greedy: bool) -> None:
+        from loom.sampling.sampler import SamplingBatchInfo
+        from loom.sampling.sampling_params import SamplingParams
+
+        t = 0.0 if greedy else 0.8
+        params = [SamplingParams(temperature=t, top_p=0.9)] * bs
+        info = SamplingBatchInfo.build(params, [0] * bs, 4096, torch.device("cuda"), True)
+        logits = torch.randn(bs, 4096, device="cuda")
+        ts.fused_sample(logits, info.params, base_seed=seed, greedy_only=greedy)
+
+    for greedy in (True, False):
+        call(16, 2**40 + 1, greedy)
+    before = compiled()
+    for bs in (16, 15, 2, 1):
+        for seed in (2**40, 2**40 + 16, 2**61 + 3, None):  # None: a random one
+            for greedy in (True, False):
+                call(bs, seed, greedy)
+    torch.cuda.synchronize()
+    assert compiled() == before
+
+
 def test_cuda_gumbel_noise_is_philox_per_column():
     from tests.test_sampler import gumbel_matches_per_column_philox
 

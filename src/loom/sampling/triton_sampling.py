@@ -59,6 +59,13 @@ _THRESHOLDS = 16
 # H200 one program per row (32 programs on 132 SMs) was bound by load latency: ~1 us per loop
 # iteration, +0.65-0.97 ms per 8B step at batch 32 (docs/benchmarks.md, session 5).
 _CHUNK = 4096
+# Integer arguments that change from step to step: the random base seed, and the row strides of
+# the [k, bs] parameter rows (the batch size). Triton would specialise its compiled variants on
+# them (value 1, divisibility by 16), so a seed divisible by 16 or a batch shrinking from 16 to
+# 15 compiled a new variant in the middle of serving: on the H200 a py-spy profile of SmolLM2's
+# constrained batch-16 steps spent 28% of its sampling samples in Triton's compiler
+# (docs/benchmarks.md, session 8).
+_PER_STEP = ("base_seed", "stride_p", "stride_coef")
 
 if HAS_TRITON:
     import triton
@@ -66,7 +73,7 @@ if HAS_TRITON:
 
     from loom.sampling.penalties import penalised
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_PER_STEP)
     def _prep_kernel(
         Logits,
         StateRows,  # [bs] int64 penalty-state row (-1: none), when HAS_PEN
@@ -221,7 +228,7 @@ if HAS_TRITON:
         s2 += tl.where(keep, e[None, :], 0.0)
         return c2, s2, z_vec
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_PER_STEP)
     def _round_kernel(
         Logits,
         Params,  # [5, bs] fp32: temperature, top_p, top_k, min_p, greedy
@@ -314,7 +321,7 @@ if HAS_TRITON:
         u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BLOCK])
         return -tl.log(-tl.log(u))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_PER_STEP)
     def _draw_kernel(
         Logits,
         Params,
@@ -393,7 +400,7 @@ if HAS_TRITON:
             tl.store(at + 2, tl.min(in_lo, 0))
             tl.store(at + 3, tl.max(in_hi, 0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_PER_STEP)
     def _pick_kernel(
         Logits,
         Params,
@@ -512,6 +519,12 @@ if HAS_TRITON:
         return token
 
 
+def _random_seed() -> int:
+    """A random base seed of 62 bits whose top bit is set: Triton types an int argument by its
+    value, and a seed below 2**31 would be 32-bit, another compiled variant."""
+    return random.getrandbits(62) | (1 << 61)
+
+
 def enabled(logits: torch.Tensor) -> bool:
     """The fused kernel serves CUDA logits (CPU tests call :func:`fused_sample` directly under
     ``TRITON_INTERPRET=1``); ``LOOM_FUSED_SAMPLING=0`` keeps the PyTorch path."""
@@ -608,7 +621,7 @@ def fused_sample(
     if bs == 0:
         return out
     if base_seed is None:
-        base_seed = random.getrandbits(62)
+        base_seed = _random_seed()
     seed_t = out  # unused unless seeded
     if row_seeds is not None:
         seed_t = row_seeds
@@ -750,7 +763,7 @@ def per_row_seeds(
     other rows ``base`` (random when None) plus 2**32 per row. A :class:`SamplingGraph` starts
     from these and adds one per replay, which follows a seeded row's positions exactly as the
     eager path does and keeps the other rows' streams apart."""
-    base = random.getrandbits(62) if base is None else base
+    base = _random_seed() if base is None else base
     out = [(base + (r << 32)) & _SEED_MASK for r in range(bs)]
     for row, seed, position in seeds or ():
         out[row] = row_seed(seed, position)

@@ -19,6 +19,7 @@ _FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls
 # KV heads per decode program (triton_ops.decode_attention's kv_per_program); unset: see
 # kv_per_program. Capped at the model's KV heads.
 _FORCED_KVP = os.environ.get("LOOM_TRITON_KVP")
+_FORCED_PREFETCH = os.environ.get("LOOM_TRITON_PREFETCH")  # "0" / "1"; unset: decode_prefetch
 
 
 def num_kv_splits(bs: int) -> int:
@@ -51,6 +52,17 @@ def kv_per_program(bs: int, kv_dtype: torch.dtype) -> int:
     if kv_dtype.itemsize == 1 and num_kv_splits(bs) == 1:
         return 2
     return 1
+
+
+def decode_prefetch(bs: int, kv_dtype: torch.dtype) -> bool:
+    """Whether decode loads the next tile's KV slots while this tile's K/V are in flight
+    (triton_ops.decode_attention's ``prefetch``): where two KV heads a program read an fp8
+    cache. On the H200 (bench/attn_micro.py --sweep, 512 requests x 850 tokens, Llama-3-8B
+    heads, session 8) that took 341 vs 374 us a layer, the fastest of 24 tile / warp / stage
+    / prefetch combinations (bf16 with one head: 447 us). ``LOOM_TRITON_PREFETCH`` overrides."""
+    if _FORCED_PREFETCH:
+        return _FORCED_PREFETCH == "1"
+    return kv_per_program(bs, kv_dtype) > 1
 
 
 @dataclass
@@ -120,5 +132,6 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling,
             num_kv_splits(batch.batch_size),
             kv_per_program=min(kv_per_program(batch.batch_size, k_buf.dtype), k_buf.shape[1]),
+            prefetch=decode_prefetch(batch.batch_size, k_buf.dtype),
         )
         return out.view(-1, layer.num_heads * layer.head_dim)
