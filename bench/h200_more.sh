@@ -234,6 +234,19 @@ quick5)
   $py -m pytest -q -m gpu tests/gpu -k "fused_sampling or large_batches or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -40 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or fused_penalties or variants" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$log"
   ;;
+quick8)
+  # session 8: the sampling kernels compile once across seeds and batch sizes; the fp8 decode's
+  # slot prefetch with two KV heads a program (kernel tests, then the engines over fp8)
+  $py -m pytest -q -m gpu tests/gpu -k "recompile or fused_sampling or sampling_graph or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py -k "half_precision or several_kv" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
+  ;;
+wlfp8pf)
+  # the 1000-request workload over fp8_e4m3: the default (slots prefetched with two KV heads a
+  # program) against LOOM_TRITON_PREFETCH=0
+  for pf in 1 0; do
+    LOOM_TRITON_PREFETCH=$pf offline "8b-1000-random-fp8kv-pf$pf" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
+  done
+  ;;
 quick7)
   # session 7: the sampling kernels with 3 rounds and the pick kernel's settling, the Gumbel
   # noise's column mapping, sampling graphs, fp8 auto (Triton decode at every batch size)
