@@ -83,18 +83,6 @@ class GrammarBackend(ABC):
     def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         """Set disallowed logits to -inf in place; ``mask`` is on ``logits``' device."""
 
-    def accept_tokens(
-        self, matchers: list[GrammarMatcher], tokens: list[int]
-    ) -> list[tuple[bool, bool]]:
-        """Feed ``tokens[i]`` to ``matchers[i]``; per matcher, whether it accepted the token and
-        whether it then terminated. Backends override this to make one call into the library for
-        the batch."""
-        out = []
-        for m, t in zip(matchers, tokens, strict=True):
-            ok = m.accept_token(t)
-            out.append((ok, ok and m.is_terminated()))
-        return out
-
     def fill_vocab_masks(
         self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]
     ) -> None:

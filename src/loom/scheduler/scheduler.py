@@ -876,11 +876,10 @@ class Scheduler:
         outputs = []
         t, waited = time.perf_counter(), self.stats.time_device_wait_s
         tokens, lps = inflight.host_results(self.stats)
-        verdicts = self._accept_grammar_tokens(inflight.reqs, tokens)
-        for i, (req, tok, lp) in enumerate(zip(inflight.reqs, tokens, lps, strict=True)):
+        for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
             if req.is_finished:  # finished by the step before (overlap ran one step past it)
                 continue
-            outputs.append(self._append_token(req, tok, lp, verdicts.get(i)))
+            outputs.append(self._append_token(req, tok, lp))
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
         dt = time.perf_counter() - t - (self.stats.time_device_wait_s - waited)
@@ -1225,20 +1224,7 @@ class Scheduler:
         backend.reset_vocab_mask(mask)
         return mask
 
-    def _accept_grammar_tokens(self, reqs: list[Req], tokens: list[int]) -> dict:
-        """The constrained rows' tokens fed to their matchers in one backend call (row ->
-        (accepted, terminated)); empty below two such rows."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
-        if len(rows) < 2:
-            return {}
-        verdicts = self.grammar_mgr.backend.accept_tokens(
-            [reqs[i].grammar for i in rows], [tokens[i] for i in rows]
-        )
-        return dict(zip(rows, verdicts, strict=True))
-
-    def _append_token(self, req: Req, token: int, logprob=None, verdict=None) -> ReqOutput:
-        """``verdict``: the grammar's (accepted, terminated) for this token when the batch's
-        matchers already took it (``_accept_grammar_tokens``)."""
+    def _append_token(self, req: Req, token: int, logprob=None) -> ReqOutput:
         req.output_ids.append(token)
         if logprob is not None and req.return_logprob:
             lp, top = logprob
@@ -1247,13 +1233,10 @@ class Scheduler:
         self.stats.num_generated_tokens += 1
         p = req.sampling_params
         if req.grammar is not None:
-            if verdict is None:
-                ok = req.grammar.accept_token(token)
-                verdict = (ok, ok and req.grammar.is_terminated())
-            if not verdict[0]:
+            if not req.grammar.accept_token(token):
                 req.error = f"the grammar rejected token {token}"
                 req.finished_reason = {"type": "abort", "message": req.error}
-            elif verdict[1]:
+            elif req.grammar.is_terminated():
                 req.finished_reason = {"type": "stop", "matched": token}
         if req.is_finished:  # by the grammar
             pass

@@ -425,32 +425,6 @@ def check_grammar_backend(
         matcher.fill_vocab_mask(alone, 0)
         assert torch.equal(batch[row], alone[0]), f"{name}: fill_vocab_masks row {row} differs"
     assert torch.all(batch[1] == -1), f"{name}: fill_vocab_masks touched a row it was not given"
-    # the batch accept (one call for a step's rows) gives each matcher the verdicts and the state
-    # that accept_token and is_terminated give it alone, a refused token included
-    pats = (pattern, "[a-z]{2}", "(yes|no)")
-    batched = [backend.matcher(backend.compile("regex", p)) for p in pats]
-    alone = [backend.matcher(backend.compile("regex", p)) for p in pats]
-    for step in range(24):
-        live = [i for i, x in enumerate(alone) if not x.is_terminated()]
-        if not live:
-            break
-        toks = []
-        for i in live:
-            rows = backend.allocate_vocab_mask(2)
-            alone[i].fill_vocab_mask(rows, 0)
-            batched[i].fill_vocab_mask(rows, 1)
-            assert torch.equal(rows[0], rows[1]), f"{name}: accept_tokens left another state"
-            allowed = _allowed(rows, 0, vocab_size)
-            pick = ~allowed if (step == 1 and i == 0) else allowed  # row 0 tries a forbidden one
-            toks.append(int(pick.nonzero()[0]))
-        got = backend.accept_tokens([batched[i] for i in live], toks)
-        want = []
-        for i, t in zip(live, toks, strict=True):
-            ok = alone[i].accept_token(t)
-            want.append((ok, ok and alone[i].is_terminated()))
-        got = [(bool(a), bool(b)) for a, b in got]
-        assert got == want, f"{name}: accept_tokens gave {got}, one by one {want}"
-    assert all(x.is_terminated() for x in batched), f"{name}: accept_tokens must terminate"
     logits = torch.randn(3, vocab_size, generator=torch.Generator().manual_seed(0))
     want = logits.clone()
     want[1, ~first] = float("-inf")
