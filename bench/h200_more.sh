@@ -34,7 +34,14 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
-# Session 8's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+# Session 9's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+#   call 1: wlchunk (the fp8 workload with 16,384-token prefill chunks against 8,192: its 70
+#           prefills run back to back, each ~14 ms of wall over its kernels in kprofpre, and
+#           12,000 tok/s needs ~1 s less in all), structured64 (SmolLM2 batch 16 over 64
+#           prompts, twice: less noise than 32)
+#   call 2: attnsweep again after any fp8 decode kernel change (the fp8 kernel reads 2.6 TB/s
+#           at best against bf16's 4.0); quick8 if kernels changed
+# Session 8's plan (done) (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
 #   call 1: quick7 (GPU tests of the sampling kernels; the interval's relative upper end is new),
 #           last7 (SmolLM2 batch 32 greedy vs penalties), kprofsampling (which kernels the
 #           penalised step adds: ~115 us of device time a step against 51 us in the
@@ -239,6 +246,21 @@ quick8)
   # slot prefetch with two KV heads a program (kernel tests, then the engines over fp8)
   $py -m pytest -q -m gpu tests/gpu -k "recompile or fused_sampling or sampling_graph or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or several_kv" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
+  ;;
+wlchunk)
+  # the 1000-request workload over fp8_e4m3 with 16,384-token prefill chunks, then the default
+  # (8,192 on CUDA): half the back-to-back prefill steps
+  for c in 16384 8192; do
+    offline "8b-1000-random-fp8kv-chunk$c" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3 --chunked-prefill-size $c
+  done
+  ;;
+structured64)
+  # SmolLM2 batch 16, xgrammar, 64 prompts (~260 timed steps each way), twice
+  for i in 1 2; do
+    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+      --batch-size 16 --num-prompts 64 --max-new-tokens 64 --result-file "$out/results.jsonl" \
+      2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  done
   ;;
 wlfp8pf)
   # the 1000-request workload over fp8_e4m3: the default (slots prefetched with two KV heads a
