@@ -158,12 +158,21 @@ def run_row(bs: int, ctx: int, results: str | None) -> None:
             except Exception as e:  # noqa: BLE001
                 times[f"{kind}-flashinfer"] = f"error: {type(e).__name__}: {str(e)[:80]}"
     for k, v in times.items():
-        kv_bytes = bs * ctx * HK * D * 2 * (1 if k.startswith("fp8") else 2)
-        cell = f"{v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else v
-        print(f"bs {bs:4d} ctx {ctx:5d} {k:18s} {cell}", flush=True)
+        _print_row(bs, ctx, k, v, 18)
+    _record(results, "attn_micro", bs, ctx, times)
+
+
+def _print_row(bs: int, ctx: int, name: str, v, width: int) -> None:
+    """One variant's time (us) and the KV bytes it read per second, or its error."""
+    kv_bytes = bs * ctx * HK * D * 2 * (1 if name.startswith("fp8") else 2)
+    cell = f"{v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else v
+    print(f"bs {bs:4d} ctx {ctx:5d} {name:{width}s} {cell}", flush=True)
+
+
+def _record(results: str | None, bench: str, bs: int, ctx: int, times: dict) -> None:
     if results:
         with open(results, "a") as f:
-            f.write(json.dumps({"bench": "attn_micro", "bs": bs, "ctx": ctx, **times}) + "\n")
+            f.write(json.dumps({"bench": bench, "bs": bs, "ctx": ctx, **times}) + "\n")
 
 
 def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
@@ -186,13 +195,8 @@ def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
             times[name] = triton_time(bs, ctx, 1, True, kv_dtype, bn, launch) * 1000
         except Exception as e:  # noqa: BLE001
             times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
-        v = times[name]
-        kv_bytes = bs * ctx * HK * D * 2 * (1 if name.startswith("fp8") else 2)
-        cell = f"{v:8.1f} us ({kv_bytes / v / 1e3:5.0f} GB/s)" if isinstance(v, float) else v
-        print(f"bs {bs:4d} ctx {ctx:5d} {name:28s} {cell}", flush=True)
-    if results:
-        with open(results, "a") as f:
-            f.write(json.dumps({"bench": "attn_sweep", "bs": bs, "ctx": ctx, **times}) + "\n")
+        _print_row(bs, ctx, name, times[name], 28)
+    _record(results, "attn_sweep", bs, ctx, times)
 
 
 if __name__ == "__main__":
