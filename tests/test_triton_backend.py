@@ -55,6 +55,60 @@ def test_greedy_equals_torch_native(tiny_dir, backend):
     assert got == want
 
 
+def test_decode_graph_runner_replays_batches_in_their_buckets(tiny_dir, monkeypatch):
+    """The CUDA graph runner's bookkeeping, on CPU: a stand-in graph re-runs the captured
+    forward when replayed, over the runner's static buffers. Each step's packed batch is copied
+    in (the ids from the device under overlap), padding rows fill the bucket, and the outputs
+    are sliced back. As requests finish the batch goes 3 -> 2 -> 1 (buckets 4, 2, 1), and the
+    tokens equal torch_native's."""
+    from loom.model_executor import cuda_graph_runner as cgr
+
+    class EagerGraph:
+        def replay(self):
+            self.out.copy_(self.forward())
+
+    def record(self, graph, forward):
+        graph.forward = forward
+        graph.out = forward()
+        return graph.out
+
+    sizes = []
+    replay = cgr.CudaGraphRunner.replay
+
+    def counted(self, packed, *args, **kwargs):
+        bs = packed.shape[1]
+        sizes.append(bs)
+        out = replay(self, packed, *args, **kwargs)
+        gbs = next(b for b in self.buckets if b >= bs)
+        # rows past the batch decode the padding token: position 0, seq_len 1, row 0, slot 0
+        pad = torch.tensor([0, 0, 1, 0, 0]).view(5, 1).expand(5, gbs - bs)
+        assert torch.equal(self.static[:, bs:gbs], pad)
+        return out
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EagerGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(cgr.CudaGraphRunner, "_record", record)
+    monkeypatch.setattr(cgr.CudaGraphRunner, "replay", counted)
+    prompts, params, kw, want = _reference_run(tiny_dir)
+    # the second prompt twice (its copy joins a step later, on the cached prompt): the batch
+    # goes 3 -> 4 -> 3 (bucket 4 again, its last row left over from the batch of 4) -> 2 -> 1;
+    # greedy, so each output is a prefix of the 8-token reference
+    prompts, want = prompts + [prompts[1]], want + [want[1]]
+    lens = (8, 6, 3, 7)
+    with loom.Engine(attention_backend="triton", **kw) as e:
+        e.runner.cuda_graph_runner = runner = cgr.CudaGraphRunner(e.runner, 4)
+        assert runner.buckets == [1, 2, 4]
+        e.scheduler.overlap = True  # chained steps: the ids come from the device
+        outs = e.generate(
+            input_ids=prompts, sampling_params=[{**params, "max_new_tokens": n} for n in lens]
+        )
+        assert e.scheduler.stats.num_overlapped_batches > 0
+    assert [o["output_ids"] for o in outs] == [w[:n] for w, n in zip(want, lens, strict=True)]
+    assert {4, 3, 2, 1} <= set(sizes)
+    assert 3 in sizes[sizes.index(4) :]  # a batch of 3 after one of 4
+
+
 def test_greedy_with_several_kv_heads_per_decode_program_equals_torch_native(tiny_dir, monkeypatch):
     """LOOM_TRITON_KVP (the decode variant reading several KV heads per program, with the
     next tile's slots prefetched, as over fp8 caches at large batches), end to end."""

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_FIELDS, _SEQ_LENS = 5, 2  # rows of the packed batch description; the seq_lens row
+
+
 def batch_size_buckets(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(48, 257, 16)) + list(range(288, 1025, 32))
     return sorted({b for b in sizes if b <= max_bs} | {max_bs})
@@ -35,11 +38,14 @@ class CudaGraphRunner:
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         dev = runner.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        # The batch description as the runner packs it (input ids, positions, seq_lens,
+        # req-to-token rows, new slots: one row each), so that a replay copies it in one op.
+        # Padding rows decode token 0 at position 0 with seq_len 1 from row 0 into slot 0.
+        self.static = torch.zeros(_FIELDS, self.max_bs, dtype=torch.int64, device=dev)
+        self.static[_SEQ_LENS].fill_(1)
+        self.padding = self.static.clone()
+        (self.input_ids, self.positions, self.seq_lens, self.req_pool_indices,
+         self.out_cache_loc) = self.static.unbind(0)  # fmt: skip
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -80,36 +86,34 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         batch = self._plan(bs) if host_plan else self._batch(bs)
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.runner._run(batch, plan=not host_plan)
+        self.outputs[bs] = self._record(graph, lambda: self.runner._run(batch, plan=not host_plan))
         self.graphs[bs] = graph
-        self.outputs[bs] = out
+
+    def _record(self, graph, forward):
+        """Capture ``forward()`` into ``graph``; its output tensor is what replays refill."""
+        with torch.cuda.graph(graph, pool=self.pool):
+            return forward()
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
 
     def replay(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seq_lens: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        out_cache_loc: torch.Tensor,
+        packed: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         seq_lens_cpu: list[int] | None = None,
     ) -> torch.Tensor:
-        bs = input_ids.shape[0]
+        """``packed``: the runner's ``[5, bs]`` batch description on the device (see
+        ``static``); ``input_ids``: the step's ids when they are already on the device (the
+        previous step's samples), replacing its first row. One copy for the batch, one for the
+        padding rows, one for device-side ids: the host's work per step is a few ops."""
+        bs = packed.shape[1]
         gbs = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        self.input_ids[:bs].copy_(input_ids)
-        self.positions[:bs].copy_(positions)
-        self.seq_lens[:bs].copy_(seq_lens)
-        self.req_pool_indices[:bs].copy_(req_pool_indices)
-        self.out_cache_loc[:bs].copy_(out_cache_loc)
+        self.static[:, :bs].copy_(packed)
+        if input_ids is not None:
+            self.input_ids[:bs].copy_(input_ids)
         if gbs > bs:
-            self.input_ids[bs:gbs].zero_()
-            self.positions[bs:gbs].zero_()
-            self.seq_lens[bs:gbs].fill_(1)
-            self.req_pool_indices[bs:gbs].zero_()
-            self.out_cache_loc[bs:gbs].zero_()
+            self.static[:, bs:gbs].copy_(self.padding[:, bs:gbs])
         if self.backend.plans_on_host_for(gbs):
             if seq_lens_cpu is None:
                 raise ValueError(f"{type(self.backend).__name__} needs the host's seq_lens")

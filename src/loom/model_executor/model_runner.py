@@ -315,7 +315,7 @@ class ModelRunner:
         self.req_to_token_pool.req_to_token[rows, pos] = locs
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(len(reqs)):
-            return graphs.replay(ids, pos, lens, rows, locs, seq_lens)
+            return graphs.replay(packed, input_ids_dev, seq_lens)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),
