@@ -7,11 +7,13 @@ import argparse
 import os
 import random
 import time
+from dataclasses import fields
 from typing import Any
 
 import torch
 
 from loom.bench import append_result
+from loom.scheduler.scheduler import SchedulerStats
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -103,24 +105,8 @@ def run_loom(engine, reqs: list[tuple[list[int], int]], preset: str = "greedy") 
     }
 
 
-_STEP_KEYS = (
-    "num_prefill_batches",
-    "num_decode_batches",
-    "num_decode_tokens",
-    "num_prompt_tokens",
-    "num_retractions",
-    "time_prefill_s",
-    "time_decode_s",
-    "time_device_wait_s",
-    "time_grammar_wait_s",
-    "num_sampling_graph_captures",
-    "time_sampling_graph_capture_s",
-    "num_sampling_graph_adoptions",
-    "time_forward_launch_s",
-    "time_sampling_launch_s",
-    "time_resolve_s",
-    "time_grammar_mask_s",
-)
+# the scheduler's counters (SchedulerStats), whose differences over a run make its step profile
+_STEP_KEYS = tuple(f.name for f in fields(SchedulerStats))
 
 
 def step_profile(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
