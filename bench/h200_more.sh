@@ -247,6 +247,11 @@ quick8)
   $py -m pytest -q -m gpu tests/gpu -k "recompile or fused_sampling or sampling_graph or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or several_kv" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
   ;;
+quick9)
+  # session 9: the CUDA graph runner's packed static buffers (one [5, max_bs] tensor, three
+  # copies a replay): every graph test, large batches across buckets, overlap
+  $py -m pytest -q -m gpu tests/gpu -k "graph or large_batches or overlap or recompile" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
+  ;;
 wlchunk)
   # the 1000-request workload over fp8_e4m3 with 16,384-token prefill chunks, then the default
   # (8,192 on CUDA): half the back-to-back prefill steps
