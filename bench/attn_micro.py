@@ -5,6 +5,7 @@ per second.
 
 python bench/attn_micro.py [RESULTS.jsonl]
 python bench/attn_micro.py --sweep [RESULTS.jsonl]   # launch variants at the 8B workload's shape
+python bench/attn_micro.py --sweep-fp8 [RESULTS.jsonl]   # fp8: tiles, heads a program, conversion
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def main() -> None:
 
     if len(sys.argv) > 1 and sys.argv[1] == "--sweep":
         return sweep(sys.argv[2] if len(sys.argv) > 2 else None)
+    if len(sys.argv) > 1 and sys.argv[1] == "--sweep-fp8":
+        return sweep_fp8(sys.argv[2] if len(sys.argv) > 2 else None)
     if len(sys.argv) > 2 and sys.argv[1] == "--row":
         return run_row(
             int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None
@@ -197,6 +200,31 @@ def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
             times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
         _print_row(bs, ctx, name, times[name], 28)
     _record(results, "attn_sweep", bs, ctx, times)
+
+
+def sweep_fp8(results: str | None, bs: int = 512, ctx: int = 850) -> None:
+    """Session 9: what holds the fp8 decode at 2.6 TB/s against bf16's 4.0. Smaller tiles and
+    four KV heads a program (fewer registers a program: more programs an SM), and the integer
+    fp8 -> fp16 conversion (``fp8_convert="bits"``) against the hardware's, all with slot
+    prefetch; bf16 and the fp8 default (two heads, 64-token tiles, 4 warps) as the references."""
+    import itertools
+
+    fp8 = torch.float8_e4m3fn
+    runs = [
+        ("bf16-kv1", torch.bfloat16, None, {}),
+        ("fp8-kv2-n64-w4-cvt (default)", fp8, 64, {"kv_per_program": 2, "prefetch": True}),
+    ]
+    for kvp, bn, warps, conv in itertools.product((2, 4), (16, 32, 64), (4, 8), ("cvt", "bits")):
+        launch = {"kv_per_program": kvp, "prefetch": True, "num_warps": warps}
+        runs.append((f"fp8-kv{kvp}-n{bn}-w{warps}-{conv}", fp8, bn, launch | {"fp8_convert": conv}))
+    times = {}
+    for name, kv_dtype, bn, launch in runs:
+        try:
+            times[name] = triton_time(bs, ctx, 1, True, kv_dtype, bn, launch) * 1000
+        except Exception as e:  # noqa: BLE001
+            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        _print_row(bs, ctx, name, times[name], 32)
+    _record(results, "attn_sweep_fp8", bs, ctx, times)
 
 
 if __name__ == "__main__":

@@ -419,6 +419,15 @@ structured8bx)
       --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -2 | tee -a "$log"
   done
   ;;
+attnfp8)
+  # session 9: fp8 decode tiles / heads a program / integer vs hardware fp8 -> fp16 conversion
+  $py bench/attn_micro.py --sweep-fp8 "$out/results.jsonl" 2>&1 | grep -E "^bs|rror" | tee -a "$log"
+  ;;
+structkprof)
+  # session 9: a constrained SmolLM2 batch-16 decode step on the device: busy time, idle gaps
+  # and what ended them, kernels against the free step's (bench/structured_kprof.py)
+  $py bench/structured_kprof.py $SM .tok 16 64 "${@:3}" 2>&1 | grep -v "^Loading\|USDT" | tail -40 | tee -a "$log"
+  ;;
 attnsweep)
   # the Triton decode's launch options at the 8B workload's mean decode step (512 x 850)
   $py bench/attn_micro.py --sweep "$out/results.jsonl" 2>&1 | grep -E "^bs|rror" | tee -a "$log"

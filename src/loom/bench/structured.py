@@ -57,6 +57,25 @@ def _parses(text: str) -> bool:
     return True
 
 
+def schema_requests(engine, n: int, max_new_tokens: int) -> tuple[list, list[dict[str, Any]]]:
+    """``n`` chat prompts (token ids) asking for JSON, each with greedy sampling constrained by
+    one of the 25 schemas in turn."""
+    from loom.bench.json_schemas import SCHEMAS
+
+    prompts, params = [], []
+    for i in range(n):
+        task, schema = SCHEMAS[i % len(SCHEMAS)]
+        prompts.append(
+            engine.apply_chat_template(
+                [{"role": "user", "content": f"{task} Answer with a JSON object only."}]
+            )
+        )
+        params.append(
+            {"max_new_tokens": max_new_tokens, "temperature": 0, "json_schema": json.dumps(schema)}
+        )
+    return prompts, params
+
+
 def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.bench.json_schemas import SCHEMAS
     from loom.constrained.manager import build_grammar_backend
@@ -73,21 +92,7 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
             t = time.perf_counter()
             backend.compile("json_schema", json.dumps(schema))
             compile_ms.append(1000 * (time.perf_counter() - t))
-        prompts, params = [], []
-        for i in range(ns.num_prompts):
-            task, schema = SCHEMAS[i % len(SCHEMAS)]
-            prompts.append(
-                engine.apply_chat_template(
-                    [{"role": "user", "content": f"{task} Answer with a JSON object only."}]
-                )
-            )
-            params.append(
-                {
-                    "max_new_tokens": ns.max_new_tokens,
-                    "temperature": 0,
-                    "json_schema": json.dumps(schema),
-                }
-            )
+        prompts, params = schema_requests(engine, ns.num_prompts, ns.max_new_tokens)
         # Warm-up: every schema compiles once (compile time is reported above; the grammar
         # cache then serves the timed run, as it serves repeated schemas in production). Then
         # the batch shapes of the timed run, constrained and free, once each: kernels that
