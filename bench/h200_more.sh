@@ -379,6 +379,19 @@ pyspystruct)
   $py bench/pyspy_top.py "$out/spy-struct.txt" 40 _sample_device | tee -a "$log"
   $py bench/pyspy_top.py "$out/spy-struct.txt" 25 run_structured | tee -a "$log"
   ;;
+structuredproc64)
+  # SmolLM2 batch 16, xgrammar, 64 prompts, the scheduler in its own process (as loom serve
+  # runs it: no interpreter lock shared with the detokenising front end), twice
+  for i in 1 2; do
+    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+      --engine-backend process --batch-size 16 --num-prompts 64 --max-new-tokens 64 \
+      --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  done
+  ;;
+wlfp8bits)
+  # the 1000-request workload over fp8_e4m3 with the integer fp8 -> fp16 conversion
+  LOOM_TRITON_FP8=bits offline "8b-1000-random-fp8kv-bits" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
+  ;;
 structuredproc16)
   # SmolLM2 batch 16 with the scheduler in its own process (as loom serve runs it), twice
   for i in 1 2; do
