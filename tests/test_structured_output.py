@@ -332,6 +332,67 @@ def test_fused_sampling_kernels_apply_the_grammar_mask_end_to_end(
     assert sum(calls) > 20  # the masks went through the fused kernels
 
 
+def test_masked_argmax_picks_the_first_maximum_among_allowed_tokens():
+    """sampler.masked_argmax against a per-token reading of the bitmask (bit t % 32 of word
+    t // 32 allows token t), over a vocabulary that is not a multiple of 32, with ties."""
+    from loom.sampling.sampler import masked_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    bs, vocab = 5, 100
+    logits = torch.randint(0, 6, (bs, vocab), generator=gen).float()  # many ties
+    words = torch.randint(-(2**31), 2**31 - 1, (bs, 4), generator=gen, dtype=torch.int64)
+    mask = words.to(torch.int32)
+    mask[2] = -1  # all allowed
+    mask[3] = 0
+    mask[3, 1] = 1 << 7  # only token 39
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = masked_argmax(logits.to(device), mask.to(device)).cpu()
+    for r in range(bs):
+        allowed = [t for t in range(vocab) if (int(mask[r, t // 32]) >> (t % 32)) & 1]
+        best = max(logits[r, t].item() for t in allowed)
+        assert got[r].item() == next(t for t in allowed if logits[r, t].item() == best)
+    assert got[3].item() == 39
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+    reason="the GPU's sampling choices, forced on CPU (tests/gpu runs them on a GPU)",
+)
+def test_all_greedy_grammar_batches_take_the_masked_argmax(gengine, free_reference, monkeypatch):
+    """On a GPU an all-greedy constrained batch without penalties or bias picks its tokens with
+    masked_argmax (PyTorch launches, no Triton one); forced here on CPU: the same tokens as the
+    library's mask kernel and argmax, beside an unconstrained greedy neighbour that equals its
+    output alone, and every constrained output validates."""
+    import loom.scheduler.scheduler as sched_mod
+
+    e = gengine
+    ids = [chat_ids(e, f"{task} Answer with a JSON object only.") for task, _ in SCHEMAS[:4]]
+    params = [
+        {"max_new_tokens": 160, "temperature": 0, "json_schema": json.dumps(schema)}
+        for _, schema in SCHEMAS[:4]
+    ]
+    ids.insert(1, chat_ids(e, CHAT_PROMPTS[0]))
+    params.insert(1, FREE)
+    want = e.generate(input_ids=ids, sampling_params=params)  # CPU: the library's kernel
+    calls = []
+    real = sched_mod.masked_argmax
+
+    def counted(logits, mask):
+        calls.append(mask.shape[0])
+        return real(logits, mask)
+
+    monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
+    monkeypatch.setattr(sched_mod, "masked_argmax", counted)
+    outs = e.generate(input_ids=ids, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want]
+    assert outs[1]["output_ids"] == free_reference[0]
+    del outs[1]
+    for out, (_, schema) in zip(outs, SCHEMAS[:4], strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        _validate(out["text"], schema)
+    assert len(calls) > 20 and max(calls) == 5
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
     reason="Triton interpreter test (CPU only; tests/gpu runs the kernels on a GPU)",

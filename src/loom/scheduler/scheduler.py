@@ -32,7 +32,12 @@ from loom import plugins
 from loom.mem_cache.radix_cache import RadixCache
 from loom.sampling.logits_processor import TokenHistory
 from loom.sampling.penalties import PenaltyState, apply_penalties
-from loom.sampling.sampler import SamplingBatchInfo, apply_logits_processors, sample
+from loom.sampling.sampler import (
+    SamplingBatchInfo,
+    apply_logits_processors,
+    masked_argmax,
+    sample,
+)
 from loom.sampling.triton_sampling import (
     FusedPenalties,
     SamplingGraph,
@@ -48,7 +53,11 @@ if TYPE_CHECKING:
     from loom.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-_GRAMMAR_MASK = os.environ.get("LOOM_GRAMMAR_MASK", "fused")
+# How a grammar's bitmask is applied on a GPU: "auto" (an all-greedy batch without penalties or
+# bias takes masked_argmax, PyTorch launches only; any other batch the fused sampling kernels),
+# "fused" (always the fused kernels) or "library" (the grammar library's own kernel, then the
+# plain sampler, for batches without penalties or bias). CPU: the library's kernel.
+_GRAMMAR_MASK = os.environ.get("LOOM_GRAMMAR_MASK", "auto")
 # CUDA graphs of the fused sampling kernels (SamplingGraph), off by default. They cut a call's host
 # time from ~300 to ~15 us (bench/sampling_host.py on the H200, session 7), but the batch-32
 # decode steps measured with and without them took the same time (0.57 s for 511 SmolLM2 steps,
@@ -150,6 +159,7 @@ class _SamplingPlan:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # flat (row * vocab + token), values
     # On a GPU: penalties and bias applied by the sampling kernel itself (one launch a step)
     fused: FusedPenalties | None = None
+    masked_argmax: bool = False  # an all-greedy grammar batch: sampler.masked_argmax
     # LOOM_SAMPLING_GRAPH=1, on CUDA: the fused kernels captured in a CUDA graph
     # on the plan's third step (the first compiles them; a batch that changes every step or
     # two, as requests come and go, never pays for a capture it would not replay)
@@ -960,6 +970,9 @@ class Scheduler:
         if info.processors:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(logits, info, params, histories)
+        if plan.masked_argmax:
+            tokens = masked_argmax(logits, self._grammar_masks(logits, reqs))
+            return self._finish_sampled(tokens, raw, reqs, want_lp)
         if plan.fused is not None:
             # Fused kernels: penalties, bias, the grammar's mask (its -inf entries stay -inf
             # under all of them), the draw, and the counts of the drawn tokens.
@@ -1107,6 +1120,9 @@ class Scheduler:
         # bias (to compare the two: bench/h200_more.sh structuredab).
         grammar_fused = has_grammar and _GRAMMAR_MASK != "library"
         fused = (pen or bias_rows or grammar_fused) and fused_sampling_enabled(logits)
+        greedy = all(p.is_greedy for p in params)
+        masked = fused and not (pen or bias_rows) and greedy and _GRAMMAR_MASK == "auto"
+        fused = fused and not masked
         info = SamplingBatchInfo.build(params, out_lens, vocab, dev, with_params=fused)
         plan = _SamplingPlan(
             key=key,
@@ -1114,6 +1130,7 @@ class Scheduler:
             seeded=[i for i, p in enumerate(params) if p.sampling_seed is not None],
             want_logprobs=any(r.return_logprob for r in reqs),
             has_grammar=has_grammar,
+            masked_argmax=masked,
         )
         if pen:
             if self.penalties is None:
