@@ -382,6 +382,12 @@ def test_cuda_fused_sampling_applies_a_grammar_bitmask():
     tokens = fused_sample(got, greedy.params, [], vocab_mask=mask, greedy_only=True)
     assert torch.equal(got, want)
     assert torch.equal(tokens, want.argmax(dim=-1))
+    # the all-greedy grammar batch's path (PyTorch launches only): the same tokens, logits kept
+    from loom.sampling.sampler import masked_argmax
+
+    got = logits.clone()
+    assert torch.equal(masked_argmax(got, mask), want.argmax(dim=-1))
+    assert torch.equal(got, logits)
 
 
 def test_cuda_sampling_graph_replays_the_eager_kernels():
