@@ -379,6 +379,27 @@ pyspystruct)
   $py bench/pyspy_top.py "$out/spy-struct.txt" 40 _sample_device | tee -a "$log"
   $py bench/pyspy_top.py "$out/spy-struct.txt" 25 run_structured | tee -a "$log"
   ;;
+quick9b)
+  # session 9: graph replays of a chained batch that lost finished requests (ids gathered on
+  # the device), the masked argmax against xgrammar's kernel
+  $py -m pytest -q -m gpu tests/gpu -k "graph or large_batches or overlap or grammar_bitmask" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
+  ;;
+structmaskab)
+  # SmolLM2 batch 16, xgrammar, 64 prompts, scheduler process: LOOM_GRAMMAR_MASK=auto (greedy
+  # batches take masked_argmax) against fused, then auto on the thread backend, then batch 1
+  sp() { $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --num-prompts 64 --max-new-tokens 64 --result-file "$out/results.jsonl" "$@" 2>&1 |
+    grep -v "^Loading" | tail -3 | tee -a "$log"; }
+  for m in auto fused; do
+    echo "== LOOM_GRAMMAR_MASK=$m, process" | tee -a "$log"
+    LOOM_GRAMMAR_MASK=$m sp --engine-backend process --batch-size 16
+  done
+  echo "== auto, thread" | tee -a "$log"; sp --batch-size 16
+  echo "== auto, process, batch 1, 16 prompts" | tee -a "$log"
+  $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --num-prompts 16 --max-new-tokens 64 --engine-backend process --batch-size 1 \
+    --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  ;;
 structuredproc64)
   # SmolLM2 batch 16, xgrammar, 64 prompts, the scheduler in its own process (as loom serve
   # runs it: no interpreter lock shared with the detokenising front end), twice
@@ -387,10 +408,6 @@ structuredproc64)
       --engine-backend process --batch-size 16 --num-prompts 64 --max-new-tokens 64 \
       --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
   done
-  ;;
-wlfp8bits)
-  # the 1000-request workload over fp8_e4m3 with the integer fp8 -> fp16 conversion
-  LOOM_TRITON_FP8=bits offline "8b-1000-random-fp8kv-bits" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --kv-cache-dtype fp8_e4m3
   ;;
 structuredproc16)
   # SmolLM2 batch 16 with the scheduler in its own process (as loom serve runs it), twice
@@ -433,7 +450,8 @@ structured8bx)
   done
   ;;
 attnfp8)
-  # session 9: fp8 decode tiles / heads a program / integer vs hardware fp8 -> fp16 conversion
+  # session 9: fp8 decode tiles / heads a program (call 2 also ran an integer fp8 -> fp16
+  # conversion, since removed: slower on every row)
   $py bench/attn_micro.py --sweep-fp8 "$out/results.jsonl" 2>&1 | grep -E "^bs|rror" | tee -a "$log"
   ;;
 structkprof)

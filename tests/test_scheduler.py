@@ -201,9 +201,14 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
         outs = e.generate(input_ids=prompts_ids, sampling_params=params)
         for out, ref, p in zip(outs, reference, params, strict=True):
             assert out["output_ids"] == ref[: p["max_new_tokens"]]
-        assert e.scheduler.stats.num_overlapped_batches > 10  # the chained path ran
+        st = e.scheduler.stats
+        assert st.num_overlapped_batches > 10  # the chained path ran
         if tight_kv:
-            assert e.scheduler.stats.num_retractions > 0
+            assert st.num_retractions > 0
+        else:
+            # requests finishing (here by length, at three different steps) do not break the
+            # chain: only the first decode step after each prefill runs unchained
+            assert st.num_overlapped_batches >= st.num_decode_batches - st.num_prefill_batches
         _assert_balanced(e)
 
 

@@ -11,17 +11,6 @@ from tests.conftest import GraphStandIn, save_tiny_llama
 
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from loom.layers.attention.triton_ops import _e4m3_bits_as_fp16  # noqa: E402
-
-
-@triton.jit
-def _convert_e4m3_bits(X, Y, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(Y + offs, _e4m3_bits_as_fp16(tl.load(X + offs)))
-
 
 # Tests of `auto`'s choices that patch the CPU's lists (on a GPU machine the engine runs on CUDA,
 # whose lists tests/gpu covers)
@@ -340,51 +329,6 @@ def test_decode_default_variant_in_half_precision_matches_dense_attention(
         att = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * head_dim**-0.5, -1)
         want = torch.einsum("hn,nhd->hd", att, v)
         torch.testing.assert_close(out[r].float(), want, rtol=2e-2, atol=2e-2)
-
-
-def test_e4m3_bits_conversion_is_exact_times_two_to_the_minus_8():
-    """The decode kernel's integer fp8_e4m3 -> fp16 conversion ("bits") over all 256 codes:
-    each value times 2^-8 exactly (subnormals and signed zeros included), NaN codes aside."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
-    got = torch.empty(256, dtype=torch.float16, device=device)
-    _convert_e4m3_bits[(1,)](codes, got, N=256)
-    want = codes.view(torch.float8_e4m3fn).to(torch.float32) / 256
-    finite = ~torch.isnan(want)
-    assert int((~finite).sum()) == 2  # 0x7f and 0xff
-    assert torch.equal(got[finite].float(), want[finite])
-    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
-
-
-@pytest.mark.parametrize("kvp,splits", [(1, 8), (2, 1)])
-def test_decode_over_fp8_with_integer_conversion_matches_dense_attention(kvp, splits):
-    """fp8_convert="bits" (K/V scaled by 2^-8 as they are converted, the scale folded back in)
-    gives dense attention's output over the same fp8 values, and the hardware conversion's."""
-    from loom.layers.attention.triton_ops import decode_attention
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(5)
-    kv_heads, group, head_dim, slots = 2, 4, 32, 300
-    k_buf = (4 * torch.randn(slots, kv_heads, head_dim, generator=gen)).to(torch.float8_e4m3fn)
-    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(torch.float8_e4m3fn)
-    table = (torch.randperm(slots - 1, generator=gen)[:200] + 1).view(2, 100)
-    q = torch.randn(2, kv_heads * group, head_dim, generator=gen).to(torch.float16)
-    lens = [100, 61]
-    k_buf, v_buf, table, q = (t.to(device) for t in (k_buf, v_buf, table, q))
-    outs = {}
-    for conv in ("bits", "cvt"):
-        outs[conv] = decode_attention(
-            q, k_buf, v_buf, table, torch.arange(2, device=device),
-            torch.tensor(lens, device=device), head_dim**-0.5, splits,
-            prefetch=kvp > 1, kv_per_program=kvp, fp8_convert=conv,
-        )  # fmt: skip
-    torch.testing.assert_close(outs["bits"], outs["cvt"], rtol=2e-3, atol=2e-3)
-    for r, n in enumerate(lens):
-        k = k_buf[table[r, :n]].float().repeat_interleave(group, dim=1)
-        v = v_buf[table[r, :n]].float().repeat_interleave(group, dim=1)
-        att = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * head_dim**-0.5, -1)
-        want = torch.einsum("hn,nhd->hd", att, v)
-        torch.testing.assert_close(outs["bits"][r].float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch):

@@ -298,19 +298,24 @@ class ModelRunner:
         positions: list[int],
         out_cache_loc: list[int],
         input_ids_dev: torch.Tensor | None = None,
+        id_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """One decode step; also records each request's new slot in the req-to-token table.
         The input ids come from the host (``input_ids``) or are already on the device
-        (``input_ids_dev``: the previous step's samples, under overlap scheduling)."""
+        (``input_ids_dev``: the previous step's samples, under overlap scheduling); ``id_rows``:
+        each request's row of ``input_ids_dev`` when the batch is not that step's batch (some of
+        its requests have finished since), gathered on the device."""
         seq_lens = [p + 1 for p in positions]
         # One host-to-device copy for the whole batch description.
         rows_cpu = [r.req_pool_idx for r in reqs]
         packed = torch.tensor(
-            [input_ids or [0] * len(reqs), positions, seq_lens, rows_cpu, out_cache_loc],
+            [input_ids or id_rows or [0] * len(reqs), positions, seq_lens, rows_cpu, out_cache_loc],
             dtype=torch.int64,
         ).to(self.device, non_blocking=True)
         ids, pos, lens, rows, locs = packed.unbind(0)
         if input_ids_dev is not None:
+            if id_rows is not None:
+                input_ids_dev = input_ids_dev.index_select(0, ids)
             ids = input_ids_dev
         self.req_to_token_pool.req_to_token[rows, pos] = locs
         graphs = self.cuda_graph_runner

@@ -870,8 +870,13 @@ class Scheduler:
             locs += loc
         positions = [req.kv_len for req in reqs]
         if chained:
+            inflight = self._inflight
+            id_rows = None
+            if len(reqs) != len(inflight.reqs):  # some finished since: their rows drop out
+                at = {id(r): i for i, r in enumerate(inflight.reqs)}
+                id_rows = [at[id(r)] for r in reqs]
             logits = self.runner.forward_decode(
-                reqs, None, positions, locs, input_ids_dev=self._inflight.tokens
+                reqs, None, positions, locs, input_ids_dev=inflight.tokens, id_rows=id_rows
             )
         else:
             input_ids = [req.output_ids[-1] for req in reqs]
@@ -898,19 +903,25 @@ class Scheduler:
 
     def _can_chain(self) -> bool:
         """Whether the next step can be launched before the in-flight one is resolved: nothing
-        but the same decode batch would run, and no request can finish by length on the
-        in-flight token (so the chained step never writes past a limit)."""
+        but a decode of the in-flight batch's requests would run (those that finished since
+        drop out: their rows of the in-flight tokens are skipped on the device), and the chained
+        step stays inside the context. A request that finishes on the in-flight token (by
+        length, a stop or its grammar) runs one step past it, as with stops: that token is
+        discarded when it resolves, and its KV slot, released with the request, is reused only
+        by steps queued after the one writing it."""
         inflight = self._inflight
-        if self._aborts or self.waiting or self.chunked_req is not None:
+        if self._aborts or self.waiting or self.chunked_req is not None or not self.running:
             return False
-        if len(self.running) != len(inflight.reqs) or any(
-            a is not b for a, b in zip(self.running, inflight.reqs, strict=True)
-        ):
+        if len(self.running) > len(inflight.reqs):
             return False
-        for req in self.running:
-            p = req.sampling_params
-            if len(req.output_ids) + 2 > p.max_new_tokens:
+        if len(self.running) == len(inflight.reqs):
+            if any(a is not b for a, b in zip(self.running, inflight.reqs, strict=True)):
                 return False
+        else:
+            members = {id(r) for r in inflight.reqs}
+            if any(id(r) not in members for r in self.running):
+                return False
+        for req in self.running:
             if req.seq_len + 2 >= self.context_len:
                 return False
         need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)

@@ -33,19 +33,6 @@ _DECODE_VARIANT = os.environ.get("LOOM_TRITON_DECODE", "")
 # the probabilities in [0, 1]), since fp8 -> fp16 is one conversion instruction per two elements
 # and fp8 -> bf16 goes through fp32. With bf16 dots the H200 decoded slower over an fp8 cache
 # than over bf16 (docs/benchmarks.md, session 4).
-# How fp8_e4m3 K/V become fp16: "cvt" (Triton's conversion, the hardware's cvt.f16x2.e4m3x2) or
-# "bits" (integer ops: an e4m3 byte's bits shifted into an fp16's are its value times 2^-8,
-# subnormals included, and the 2^8 is folded into the softmax scale and the output).
-_FP8_CONVERT = os.environ.get("LOOM_TRITON_FP8", "cvt")
-
-
-@triton.jit
-def _e4m3_bits_as_fp16(x):
-    """fp8_e4m3 bytes (as uint8) to fp16 holding their values times 2^-8, exactly: the sign
-    moves to bit 15 and exponent + mantissa move up 7 places (fp16's exponent bias, 15, is e4m3's
-    plus 8, so the result is the value scaled by 2^-8 for normals and subnormals alike)."""
-    w = x.to(tl.uint16)
-    return (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -82,7 +69,6 @@ def _decode_stage1(
     DOT_FP16: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     KVP: tl.constexpr = 1,
-    FP8_BITS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)  # the program's first KV head / KVP (KVP heads a program)
@@ -112,8 +98,6 @@ def _decode_stage1(
     ):  # fp8 K/V: fp16 dots (see FP8_DTYPES above); a bf16 query is clamped to fp16's range
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    if FP8_BITS:  # K and V arrive scaled by 2^-8 (_e4m3_bits_as_fp16)
-        scale = scale * 256.0
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -155,9 +139,6 @@ def _decode_stage1(
         if PREFETCH:
             nxt = offs_n + BLOCK_N
             loc = tl.load(ReqToToken + row * stride_rt + nxt, mask=nxt < end, other=0)
-        if FP8_BITS:
-            k = _e4m3_bits_as_fp16(k)
-            v = _e4m3_bits_as_fp16(v)
         if USE_DOT:  # the GQA group, padded to 16 rows, on tensor cores
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
             s = s * scale
@@ -181,8 +162,6 @@ def _decode_stage1(
 
     has = end > start
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if FP8_BITS:
-        out = out * 256.0
     lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     tl.store(
         MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
@@ -249,7 +228,6 @@ def decode_attention(
     num_stages: int | None = None,
     prefetch: bool = False,
     kv_per_program: int = 1,
-    fp8_convert: str | None = None,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
@@ -262,8 +240,7 @@ def decode_attention(
     measuring (bench/attn_micro.py); ``prefetch``: load the next tile's slot indices while this
     tile's K/V are in flight (for measuring); ``kv_per_program``: KV heads one program reads
     (a power of two dividing the KV heads; tiles of block_n tokens x that many heads, read as
-    one contiguous run per token; for measuring, e.g. over fp8 caches); ``fp8_convert``: how an
-    fp8_e4m3 cache's K/V become fp16 for the dots, "cvt" or "bits" (default: ``_FP8_CONVERT``)."""
+    one contiguous run per token; for measuring, e.g. over fp8 caches)."""
     if use_dot is None:
         if _DECODE_VARIANT in ("dot", "plain"):
             use_dot = _DECODE_VARIANT == "dot"
@@ -283,12 +260,6 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
-    dot_fp16 = use_dot and q.dtype != torch.float32 and k_buf.dtype in FP8_DTYPES
-    fp8_bits = (
-        dot_fp16 and k_buf.dtype == torch.float8_e4m3fn and (fp8_convert or _FP8_CONVERT) == "bits"
-    )
-    if fp8_bits:
-        k_buf, v_buf = k_buf.view(torch.uint8), v_buf.view(torch.uint8)
     _decode_stage1[(bs, kv_heads // kvp, num_splits)](
         q,
         k_buf,
@@ -319,10 +290,9 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         USE_DOT=use_dot,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP16=dot_fp16,
+        DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in FP8_DTYPES,
         PREFETCH=prefetch,
         KVP=kvp,
-        FP8_BITS=fp8_bits,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     _decode_stage2[(bs, num_heads)](
