@@ -384,6 +384,16 @@ quick9b)
   # the device), the masked argmax against xgrammar's kernel
   $py -m pytest -q -m gpu tests/gpu -k "graph or large_batches or overlap or grammar_bitmask" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   ;;
+structfinal)
+  # SmolLM2 xgrammar, 64 prompts: batch 16 with the scheduler in its own process twice, on the
+  # thread backend once, batch 1 (16 prompts) in its own process
+  sp() { $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --max-new-tokens 64 --result-file "$out/results.jsonl" "$@" 2>&1 |
+    grep -v "^Loading" | tail -3 | tee -a "$log"; }
+  for i in 1 2; do echo "== process, batch 16" | tee -a "$log"; sp --num-prompts 64 --engine-backend process --batch-size 16; done
+  echo "== thread, batch 16" | tee -a "$log"; sp --num-prompts 64 --batch-size 16
+  echo "== process, batch 1" | tee -a "$log"; sp --num-prompts 16 --engine-backend process --batch-size 1
+  ;;
 structmaskab)
   # SmolLM2 batch 16, xgrammar, 64 prompts, scheduler process: LOOM_GRAMMAR_MASK=auto (greedy
   # batches take masked_argmax) against fused, then auto on the thread backend, then batch 1

@@ -175,6 +175,30 @@ def test_prefix_cache_reuses_kv_with_the_same_output(prompts_ids, reference, pag
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
 
 
+def test_cached_slots_come_from_the_pages_as_the_table_holds_them(prompts_ids, monkeypatch):
+    """The radix cache takes a finishing request's slots from its pages on the host (reading
+    the device table would wait for the step in flight); they are the table's, also for
+    prefixes matched from the cache and for requests chunked at a page size of 4."""
+    from loom.scheduler.scheduler import Scheduler
+
+    seen = []
+    real = Scheduler._insert_computed
+
+    def checked(self, req, n):
+        table = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+        ps = self.page_size
+        assert [req.kv_pages[i // ps] * ps + i % ps for i in range(n)] == table
+        seen.append(n)
+        return real(self, req, n)
+
+    monkeypatch.setattr(Scheduler, "_insert_computed", checked)
+    with loom.Engine(max_total_tokens=8192, page_size=4, chunked_prefill_size=32) as e:
+        for _ in range(2):  # the second round matches the first's prefixes
+            e.generate(input_ids=prompts_ids[:3], sampling_params=PARAMS)
+        assert e.get_server_info()["kv_cached_tokens"] > 0
+    assert len(seen) >= 6
+
+
 def test_disable_radix_cache(prompts_ids, reference):
     with loom.Engine(max_total_tokens=4096, disable_radix_cache=True) as e:
         outs = [e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS) for _ in range(2)]

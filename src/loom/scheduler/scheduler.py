@@ -602,7 +602,10 @@ class Scheduler:
         """Insert the request's first ``n`` (page-aligned) tokens' KV into the tree; returns the
         pages the tree did not take (duplicates of what it already held)."""
         ps = self.page_size
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+        # From the request's pages, as _alloc_kv laid them out: reading its row of the device
+        # table would wait for every step queued, under overlap the in-flight one too.
+        pages = req.kv_pages
+        slots = [pages[i // ps] * ps + i % ps for i in range(n)]
         back = self.tree.cache(req.fill_ids[:n], slots, req.extra_key, req.priority)
         return {s // ps for s in back}
 
