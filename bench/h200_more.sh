@@ -384,6 +384,16 @@ quick9b)
   # the device), the masked argmax against xgrammar's kernel
   $py -m pytest -q -m gpu tests/gpu -k "graph or large_batches or overlap or grammar_bitmask" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   ;;
+structllg)
+  # SmolLM2, llguidance, the scheduler in its own process: batch 16 over 64 prompts, batch 1
+  # over 16
+  for bs in 16 1; do
+    n=$([ $bs = 1 ] && echo 16 || echo 64)
+    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+      --grammar-backend llguidance --engine-backend process --batch-size $bs --num-prompts $n \
+      --max-new-tokens 64 --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  done
+  ;;
 structfinal)
   # SmolLM2 xgrammar, 64 prompts: batch 16 with the scheduler in its own process twice, on the
   # thread backend once, batch 1 (16 prompts) in its own process
