@@ -236,6 +236,36 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
         _assert_balanced(e)
 
 
+def test_overlap_chains_while_waiting_requests_cannot_be_admitted(
+    prompts_ids, reference, monkeypatch
+):
+    """With the KV pool holding two requests' reservations at a time, the others wait; while
+    none of them could be admitted, decode steps still chain on the one in flight (resolving it
+    first would admit nothing). Outputs equal the one-at-a-time reference, every request is
+    admitted once room frees, and the pages balance."""
+    from loom.scheduler.scheduler import Scheduler
+
+    blocked = []
+    real = Scheduler._nothing_admissible
+
+    def counted(self):
+        out = real(self)
+        blocked.append(out)
+        return out
+
+    monkeypatch.setattr(Scheduler, "_nothing_admissible", counted)
+    longest = max(len(i) for i in prompts_ids) + PARAMS["max_new_tokens"]
+    with loom.Engine(max_total_tokens=2 * longest + 16) as e:
+        e.scheduler.overlap = True
+        outs = e.generate(input_ids=prompts_ids, sampling_params=PARAMS)
+        assert [o["output_ids"] for o in outs] == reference
+        st = e.scheduler.stats
+        assert st.num_prefill_batches >= 3 and st.num_retractions == 0  # they did wait
+        _assert_balanced(e)
+    assert any(blocked) and not all(blocked)  # chained while blocked, admitted when not
+    assert st.num_overlapped_batches > st.num_decode_batches // 2
+
+
 def test_step_profile_accounts_for_every_step(engine, prompts_ids):
     """`bench offline`'s step profile: the counters' differences over one run add up."""
     from loom.bench.offline import step_profile

@@ -913,7 +913,9 @@ class Scheduler:
         discarded when it resolves, and its KV slot, released with the request, is reused only
         by steps queued after the one writing it."""
         inflight = self._inflight
-        if self._aborts or self.waiting or self.chunked_req is not None or not self.running:
+        if self._aborts or self.chunked_req is not None or not self.running:
+            return False
+        if self.waiting and not self._nothing_admissible():
             return False
         if len(self.running) > len(inflight.reqs):
             return False
@@ -929,6 +931,24 @@ class Scheduler:
                 return False
         need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
         return need <= self.allocator.num_free
+
+    def _nothing_admissible(self) -> bool:
+        """Whether no waiting request could be admitted now, whatever the prefix cache holds:
+        the running limit or the request table is full, or each one's pages with its prompt
+        matched up to its last token (a lower bound on what ``_schedule_extend`` asks) exceed
+        the free pages. A decode step may then chain on the one in flight even though requests
+        wait: resolving it first would admit nothing and only expose the host's work."""
+        if len(self.running) >= self.max_running or self.req_to_token_pool.num_free == 0:
+            return True
+        ps = self.page_size
+        free_pages = self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
+        ratio = self.new_token_ratio
+        for req in self.waiting:
+            remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+            need = self._pages_for(req.seq_len + math.ceil(remaining * ratio))
+            if need - (req.seq_len - 1) // ps <= free_pages:
+                return False
+        return True
 
     def _host_before_sampling(self) -> bool:
         return any(
