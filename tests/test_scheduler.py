@@ -266,6 +266,36 @@ def test_overlap_chains_while_waiting_requests_cannot_be_admitted(
     assert st.num_overlapped_batches > st.num_decode_batches // 2
 
 
+def test_startup_warmup_leaves_a_clean_engine(prompts_ids, reference, monkeypatch):
+    """The GPU's start-up warm-up (forced here on CPU): throwaway requests through each
+    sampling path (argmax, temperature with and without top-p, penalties with logit bias,
+    min_new_tokens, a seeded row) and prompts of 16, 21 and 1 tokens, all finishing; then the
+    engine starts clean (no cached prefix, every page free, counters at zero) and its first
+    request gives the reference output."""
+    import loom.engine.backends as backends
+    from loom.scheduler.scheduler import Scheduler
+
+    rids = []
+    real_add = Scheduler.add_request
+
+    def add(self, req):
+        rids.append(req.rid)
+        return real_add(self, req)
+
+    monkeypatch.setattr(backends, "_wants_warmup", lambda runner, args: True)
+    monkeypatch.setattr(Scheduler, "add_request", add)
+    with loom.Engine(max_total_tokens=4096) as e:
+        assert len(rids) == 2 * (2 + len(Scheduler._WARMUP_ROUNDS))
+        assert all(r.startswith("loom-warmup-") for r in rids)
+        sched = e.scheduler
+        assert sched.stats.num_prefill_batches == 0 and sched.stats.num_generated_tokens == 0
+        assert sched.tree.total_size == 0
+        assert sched.allocator.num_free == sched.allocator.num_pages
+        out = e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS)
+        assert out["output_ids"] == reference[0]
+        assert out["meta_info"]["cached_tokens"] == 0
+
+
 def test_step_profile_accounts_for_every_step(engine, prompts_ids):
     """`bench offline`'s step profile: the counters' differences over one run add up."""
     from loom.bench.offline import step_profile

@@ -284,6 +284,14 @@ class ServerArgs:
         ),
     )
 
+    skip_warmup: bool = field(
+        default=False,
+        metadata=_arg(
+            "On a GPU, do not run the start-up warm-up (a few throwaway requests that compile "
+            "the prefill and sampling kernels before the first real request)."
+        ),
+    )
+
     disable_overlap_schedule: bool = field(
         default=False,
         metadata=_arg("Do not prepare the next decode step while the GPU runs the current one."),

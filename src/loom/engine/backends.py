@@ -14,6 +14,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,12 +30,21 @@ OnBatch = Callable[[SchedulerBatchOut], None]
 OnFailure = Callable[[BaseException], None]
 
 
+def _wants_warmup(runner, args: ServerArgs) -> bool:
+    """On a GPU (where Triton compiles kernels on first use), unless --skip-warmup."""
+    return runner.device.type == "cuda" and not args.skip_warmup
+
+
 def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = None):
     from loom.model_executor.model_runner import ModelRunner
     from loom.scheduler.scheduler import Scheduler
 
     runner = ModelRunner(args, loader=loader)
     sched = Scheduler(args, runner, eos_token_ids)
+    if _wants_warmup(runner, args):
+        t = time.perf_counter()
+        sched.warmup()  # Triton compiles before the first request, not inside it
+        logger.info("warm-up took %.2f s", time.perf_counter() - t)
     info = {
         "model_path": runner.model_path,
         "architecture": runner.model_config.architecture,

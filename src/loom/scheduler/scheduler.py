@@ -38,6 +38,7 @@ from loom.sampling.sampler import (
     masked_argmax,
     sample,
 )
+from loom.sampling.sampling_params import SamplingParams
 from loom.sampling.triton_sampling import (
     FusedPenalties,
     SamplingGraph,
@@ -412,6 +413,59 @@ class Scheduler:
             or self._inflight is not None
             or self.grammar_queue
         )
+
+    # ---- start-up warm-up -----------------------------------------------------------------
+
+    # Sampling parameters of the warm-up's rounds: each round is its own batch, so each takes
+    # its own path (argmax; fused kernels with and without the top-p search; with penalties and
+    # logit bias; min_new_tokens' bias rows).
+    _WARMUP_ROUNDS = (
+        {"temperature": 0.0},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 0.7},
+        {
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "frequency_penalty": 0.5,
+            "presence_penalty": 0.2,
+            "repetition_penalty": 1.1,
+            "logit_bias": {"3": -1.0},
+        },
+        {"temperature": 0.0, "min_new_tokens": 2},
+        {"temperature": 0.7, "top_p": 0.9, "seed": 1},  # seeded rows draw from their own seeds
+    )
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run a few throwaway requests through the paths a first request takes, so that
+        Triton compiles its kernels now and not inside the first requests (on the H200 the
+        first sampled requests paid 2-5 s; docs/benchmarks.md, session 8). Prompts of 16, 21
+        and 1 tokens cover the three ways Triton specialises a token count (a multiple of 16,
+        neither, one); the rounds cover the sampling paths. Afterwards the prefix cache is
+        empty, every page is free and the counters start from zero."""
+        vocab = self.runner.vocab_size
+        rounds = [(16, {"temperature": 0.0}), (1, {"temperature": 0.0})]
+        rounds += [(21, extra) for extra in self._WARMUP_ROUNDS]
+        # without the prefix cache: nothing of the warm-up may reach a cache tier (the
+        # hierarchical cache's storage persists across restarts)
+        tree, self.tree = self.tree, None
+        try:
+            for i, (n, extra) in enumerate(rounds):
+                for j in range(2):
+                    ids = [(7 + 13 * (k + j)) % vocab for k in range(n)]
+                    params = SamplingParams.from_dict(
+                        {"max_new_tokens": 3, "ignore_eos": True, **extra}
+                    )
+                    params.validate(vocab)
+                    self.add_request(Req(f"loom-warmup-{i}-{j}", ids, params))
+                while self.has_work:
+                    self.step()
+        finally:
+            self.tree = tree
+        self.check_kv_balance()
+        self._plan_cache = None
+        self.new_token_ratio = self.init_new_token_ratio
+        self.stats = SchedulerStats()
 
     # ---- the step -------------------------------------------------------------------------
 
