@@ -34,7 +34,14 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
-# Session 9's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+# Session 10's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+#   call 1: quick9b first (the start-up warm-up now runs in every GPU engine: built after the
+#           last call of session 9, never run on a GPU), then wl8b (bf16: the chain while
+#           requests wait, built after the last call; session 9 chained 518 of 1,203 steps),
+#           wl8b --kv-cache-dtype fp8_e4m3 twice (12,214 and 11,897 in session 9), defaults
+#           (batch-1 figures after the overlap changes)
+#   call 2: structfinal again; the warm-up's own time (loom serve's log: "warm-up took")
+# Session 9's plan (done) (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
 #   call 1: wlchunk (the fp8 workload with 16,384-token prefill chunks against 8,192: its 70
 #           prefills run back to back, each ~14 ms of wall over its kernels in kprofpre, and
 #           12,000 tok/s needs ~1 s less in all), structured64 (SmolLM2 batch 16 over 64
