@@ -178,6 +178,18 @@ def _record(results: str | None, bench: str, bs: int, ctx: int, times: dict) -> 
             f.write(json.dumps({"bench": bench, "bs": bs, "ctx": ctx, **times}) + "\n")
 
 
+def _run_sweep(runs, results: str | None, bench: str, bs: int, ctx: int, width: int) -> None:
+    """Time each (name, KV dtype, tile length, launch options) at one split, print and record."""
+    times = {}
+    for name, kv_dtype, bn, launch in runs:
+        try:
+            times[name] = triton_time(bs, ctx, 1, True, kv_dtype, bn, launch) * 1000
+        except Exception as e:  # noqa: BLE001
+            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        _print_row(bs, ctx, name, times[name], width)
+    _record(results, bench, bs, ctx, times)
+
+
 def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
     """The decode kernel's tile and launch options at the 1000-request 8B workload's mean decode
     step (batch ~540 over ~840 tokens; one split): over an fp8 cache every combination of KV
@@ -192,14 +204,7 @@ def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
         launch = {"kv_per_program": 2, "prefetch": bool(pf)}
         launch |= {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v}
         runs.append((f"fp8-kv2-n{bn}-w{warps}-s{stages or 'd'}-pf{pf}", fp8, bn, launch))
-    times = {}
-    for name, kv_dtype, bn, launch in runs:
-        try:
-            times[name] = triton_time(bs, ctx, 1, True, kv_dtype, bn, launch) * 1000
-        except Exception as e:  # noqa: BLE001
-            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
-        _print_row(bs, ctx, name, times[name], 28)
-    _record(results, "attn_sweep", bs, ctx, times)
+    _run_sweep(runs, results, "attn_sweep", bs, ctx, 28)
 
 
 def sweep_fp8(results: str | None, bs: int = 512, ctx: int = 850) -> None:
@@ -218,14 +223,7 @@ def sweep_fp8(results: str | None, bs: int = 512, ctx: int = 850) -> None:
     for kvp, bn, warps in itertools.product((2, 4), (16, 32, 64), (4, 8)):
         launch = {"kv_per_program": kvp, "prefetch": True, "num_warps": warps}
         runs.append((f"fp8-kv{kvp}-n{bn}-w{warps}", fp8, bn, launch))
-    times = {}
-    for name, kv_dtype, bn, launch in runs:
-        try:
-            times[name] = triton_time(bs, ctx, 1, True, kv_dtype, bn, launch) * 1000
-        except Exception as e:  # noqa: BLE001
-            times[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
-        _print_row(bs, ctx, name, times[name], 32)
-    _record(results, "attn_sweep_fp8", bs, ctx, times)
+    _run_sweep(runs, results, "attn_sweep_fp8", bs, ctx, 32)
 
 
 if __name__ == "__main__":

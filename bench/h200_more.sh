@@ -111,6 +111,11 @@ latency() {  # tag, then loom bench latency flags
   $py -m loom.cli bench latency --load-format dummy --skip-tokenizer-init \
     --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
 }
+structured() {  # loom bench structured on SmolLM2's shape (dummy weights, .tok), 64 new tokens
+  $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
+    --max-new-tokens 64 --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" |
+    tail -3 | tee -a "$log"
+}
 if [ -d .whl2 ] && [ ! -d /tmp/site2/xgrammar ]; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 \
     .whl2/*.whl $(ls .whl/apache_tvm_ffi-*.whl 2>/dev/null) 2>&1 | tail -2 | tee -a "$log"
@@ -404,45 +409,26 @@ structllg)
 structfinal)
   # SmolLM2 xgrammar, 64 prompts: batch 16 with the scheduler in its own process twice, on the
   # thread backend once, batch 1 (16 prompts) in its own process
-  sp() { $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
-    --max-new-tokens 64 --result-file "$out/results.jsonl" "$@" 2>&1 |
-    grep -v "^Loading" | tail -3 | tee -a "$log"; }
-  for i in 1 2; do echo "== process, batch 16" | tee -a "$log"; sp --num-prompts 64 --engine-backend process --batch-size 16; done
-  echo "== thread, batch 16" | tee -a "$log"; sp --num-prompts 64 --batch-size 16
-  echo "== process, batch 1" | tee -a "$log"; sp --num-prompts 16 --engine-backend process --batch-size 1
+  for i in 1 2; do echo "== process, batch 16" | tee -a "$log"; structured --num-prompts 64 --engine-backend process --batch-size 16; done
+  echo "== thread, batch 16" | tee -a "$log"; structured --num-prompts 64 --batch-size 16
+  echo "== process, batch 1" | tee -a "$log"; structured --num-prompts 16 --engine-backend process --batch-size 1
   ;;
 structmaskab)
   # SmolLM2 batch 16, xgrammar, 64 prompts, scheduler process: LOOM_GRAMMAR_MASK=auto (greedy
   # batches take masked_argmax) against fused, then auto on the thread backend, then batch 1
-  sp() { $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
-    --num-prompts 64 --max-new-tokens 64 --result-file "$out/results.jsonl" "$@" 2>&1 |
-    grep -v "^Loading" | tail -3 | tee -a "$log"; }
   for m in auto fused; do
     echo "== LOOM_GRAMMAR_MASK=$m, process" | tee -a "$log"
-    LOOM_GRAMMAR_MASK=$m sp --engine-backend process --batch-size 16
+    LOOM_GRAMMAR_MASK=$m structured --num-prompts 64 --engine-backend process --batch-size 16
   done
-  echo "== auto, thread" | tee -a "$log"; sp --batch-size 16
+  echo "== auto, thread" | tee -a "$log"; structured --num-prompts 64 --batch-size 16
   echo "== auto, process, batch 1, 16 prompts" | tee -a "$log"
-  $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
-    --num-prompts 16 --max-new-tokens 64 --engine-backend process --batch-size 1 \
-    --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  structured --num-prompts 16 --engine-backend process --batch-size 1
   ;;
-structuredproc64)
-  # SmolLM2 batch 16, xgrammar, 64 prompts, the scheduler in its own process (as loom serve
-  # runs it: no interpreter lock shared with the detokenising front end), twice
-  for i in 1 2; do
-    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
-      --engine-backend process --batch-size 16 --num-prompts 64 --max-new-tokens 64 \
-      --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
-  done
-  ;;
-structuredproc16)
-  # SmolLM2 batch 16 with the scheduler in its own process (as loom serve runs it), twice
-  for i in 1 2; do
-    $py -m loom.cli bench structured --model $SM --load-format dummy --tokenizer-path .tok \
-      --engine-backend process --batch-size 16 --num-prompts 32 --max-new-tokens 64 \
-      --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
-  done
+structuredproc64|structuredproc16)
+  # SmolLM2 batch 16, xgrammar, 64 (or 32) prompts, the scheduler in its own process (as loom
+  # serve runs it: no interpreter lock shared with the detokenising front end), twice
+  n=$([ "$section" = structuredproc64 ] && echo 64 || echo 32)
+  for i in 1 2; do structured --engine-backend process --batch-size 16 --num-prompts $n; done
   ;;
 structuredgraph)
   # SmolLM2 batch 16, xgrammar: sampling graphs off / on, alternating, twice (on: grammar

@@ -19,20 +19,12 @@ import sys
 from collections import defaultdict
 
 import torch
+from gpu_kernel_profile import _value  # (bench/, this script's directory)
 from torch.profiler import ProfilerActivity, profile
 
 import loom
 from loom.bench.offline import step_profile
 from loom.bench.structured import schema_requests
-
-
-def _value(v: str):
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(v.lower(), v)
 
 
 def _device_activity(prof, device_type) -> list[tuple[float, float, str]]:
