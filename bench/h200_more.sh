@@ -394,7 +394,7 @@ pyspystruct)
 quick9b)
   # session 9: graph replays of a chained batch that lost finished requests (ids gathered on
   # the device), the masked argmax against xgrammar's kernel
-  $py -m pytest -q -m gpu tests/gpu -k "graph or large_batches or overlap or grammar_bitmask" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
+  $py -m pytest -q -m gpu tests/gpu -k "graph or large_batches or overlap or grammar_bitmask or synchronise" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   ;;
 structllg)
   # SmolLM2, llguidance, the scheduler in its own process: batch 16 over 64 prompts, batch 1

@@ -612,3 +612,56 @@ def test_cuda_rotary_store_rounds_to_fp8(kv_dtype):
     step = 0.125 if kv_dtype == torch.float8_e4m3fn else 0.25
     torch.testing.assert_close(kc[loc].float(), want, rtol=step, atol=1e-2)
     assert torch.equal(vc[loc].float(), v.float().view(t, hk, d).to(kv_dtype).float())
+
+
+def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
+    """Under overlap a chained step (launch N+1, then resolve N) waits on the device only for
+    N's tokens. A hidden device read there waits for the step just launched: session 9's
+    ``.tolist()`` of a req-to-token row cost 14 ms a step at batch 542. torch's sync debug mode
+    raises inside every chained step here, over requests finishing at different steps by
+    length and by a stop token, with the radix cache taking what they computed; the tokens
+    equal those without overlap."""
+    from loom.scheduler import scheduler as sm
+
+    chained = []
+    real_step, real_host = sm.Scheduler._step, sm._InflightDecode.host_results
+
+    def step(self):
+        if self._inflight is None or not self._can_chain():
+            return real_step(self)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = real_step(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        chained.append(len(self.running))
+        return out
+
+    def host_results(self, stats=None):  # the step's one wait: N's tokens
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_host(self, stats)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, TINY["vocab_size"], (40 + 7 * i,), generator=gen).tolist()
+               for i in range(12)]  # fmt: skip
+    params = [
+        {"max_new_tokens": 10 + 3 * i, "temperature": 0, "stop_token_ids": [5 + i]}
+        for i in range(12)
+    ]
+    runs = {}
+    for overlap in (False, True):
+        if overlap:
+            monkeypatch.setattr(sm.Scheduler, "_step", step)
+            monkeypatch.setattr(sm._InflightDecode, "host_results", host_results)
+        kw = _cuda_kw(tiny_dir, "bfloat16", disable_overlap_schedule=not overlap)
+        with loom.Engine(**kw) as e:
+            runs[overlap] = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+            e.scheduler.check_kv_balance()
+    assert runs[True] == runs[False]
+    assert len(chained) > 20 and len(set(chained)) > 3  # chained while the batch shrank
