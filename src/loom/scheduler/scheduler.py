@@ -719,6 +719,18 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def _admission_room(self) -> int:
+        """Pages a new request may take: free and evictable ones, less those kept for requests
+        already admitted."""
+        return self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
+
+    def _pages_to_admit(self, req: Req, matched_tokens: int) -> int:
+        """Pages admitting ``req`` reserves: its tokens so far plus its expected output, less
+        the ``matched_tokens`` of its prefix already in the cache."""
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
+        return need - matched_tokens // self.page_size
+
     def _reserved_pages(self) -> int:
         """Pages to keep free for requests already admitted (decode room and unfilled prompts)."""
         total = 0
@@ -764,7 +776,7 @@ class Scheduler:
         if not self.waiting:
             return items
         ordered = self.policy.order(list(self.waiting), self._prefix_view)
-        free_pages = self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
+        free_pages = self._admission_room()
         num_active = len(self.running) + len(items)
         admitted_prompts: set[int] = set()
         for req in ordered:
@@ -783,9 +795,7 @@ class Scheduler:
                     continue
                 admitted_prompts.add(req.prompt_hash)
             slots, node = self._match(req)
-            remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
-            need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
-            need -= len(slots) // self.page_size  # the matched prefix is already in the cache
+            need = self._pages_to_admit(req, len(slots))
             # Alone, a request needs only its prompt plus one token of room: if it later
             # outgrows the pool it is aborted with a clear message rather than starved.
             alone = not self.running and not items
@@ -971,15 +981,10 @@ class Scheduler:
             return False
         if self.waiting and not self._nothing_admissible():
             return False
-        if len(self.running) > len(inflight.reqs):
+        # (running only shrinks between steps, keeping its order: new requests come by prefill)
+        members = {id(r) for r in inflight.reqs}
+        if any(id(r) not in members for r in self.running):
             return False
-        if len(self.running) == len(inflight.reqs):
-            if any(a is not b for a, b in zip(self.running, inflight.reqs, strict=True)):
-                return False
-        else:
-            members = {id(r) for r in inflight.reqs}
-            if any(id(r) not in members for r in self.running):
-                return False
         for req in self.running:
             if req.seq_len + 2 >= self.context_len:
                 return False
@@ -994,15 +999,8 @@ class Scheduler:
         wait: resolving it first would admit nothing and only expose the host's work."""
         if len(self.running) >= self.max_running or self.req_to_token_pool.num_free == 0:
             return True
-        ps = self.page_size
-        free_pages = self.allocator.num_free + self._evictable_pages() - self._reserved_pages()
-        ratio = self.new_token_ratio
-        for req in self.waiting:
-            remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
-            need = self._pages_for(req.seq_len + math.ceil(remaining * ratio))
-            if need - (req.seq_len - 1) // ps <= free_pages:
-                return False
-        return True
+        room = self._admission_room()
+        return all(self._pages_to_admit(r, r.seq_len - 1) > room for r in self.waiting)
 
     def _host_before_sampling(self) -> bool:
         return any(
