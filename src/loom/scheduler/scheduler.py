@@ -979,8 +979,6 @@ class Scheduler:
         inflight = self._inflight
         if self._aborts or self.chunked_req is not None or not self.running:
             return False
-        if self.waiting and not self._nothing_admissible():
-            return False
         # (running only shrinks between steps, keeping its order: new requests come by prefill)
         members = {id(r) for r in inflight.reqs}
         if any(id(r) not in members for r in self.running):
@@ -989,7 +987,9 @@ class Scheduler:
             if req.seq_len + 2 >= self.context_len:
                 return False
         need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
-        return need <= self.allocator.num_free
+        if need > self.allocator.num_free:
+            return False
+        return not self.waiting or self._nothing_admissible()  # (the costliest check last)
 
     def _nothing_admissible(self) -> bool:
         """Whether no waiting request could be admitted now, whatever the prefix cache holds:
