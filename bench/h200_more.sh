@@ -34,6 +34,9 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+# Session 10's plan, call 2 (done in session 10): quick10, then wl8b (bf16: admission by
+#   the bounded peak; all 1,000 requests should be admitted in ~70 prefills) and wl8b
+#   --kv-cache-dtype fp8_e4m3 (the device's idle time before chained steps, now printed)
 # Session 10's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
 #   call 1: quick9b first (the start-up warm-up now runs in every GPU engine: built after the
 #           last call of session 9, never run on a GPU), then wl8b (bf16: the chain while
@@ -258,6 +261,12 @@ quick8)
   # slot prefetch with two KV heads a program (kernel tests, then the engines over fp8)
   $py -m pytest -q -m gpu tests/gpu -k "recompile or fused_sampling or sampling_graph or fp8" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or several_kv" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
+  ;;
+quick10)
+  # session 10: one KV split writes the decode output itself (no merge kernel); decode steps
+  # timed on the device; graphs over large batches, fp8 engines
+  $py -m pytest -q -m gpu tests/gpu -k "timed_on_the_device or large_batches or fp8 or graph" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
+  $py -m pytest -q tests/test_triton_backend.py -k "half_precision or variants" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
   ;;
 quick9)
   # session 9: the CUDA graph runner's packed static buffers (one [5, max_bs] tensor, three

@@ -266,6 +266,45 @@ def test_overlap_chains_while_waiting_requests_cannot_be_admitted(
     assert st.num_overlapped_batches > st.num_decode_batches // 2
 
 
+def test_admits_every_request_whose_peak_fits_and_never_retracts(prompts_ids, monkeypatch):
+    """Requests of different output lengths, every one running to its limit, with a pool
+    smaller than their expected pages (SGLang's 0.7 x max_new_tokens each) but no smaller than
+    their bounded peak: none is ever left waiting by a prefill step, none is retracted, the
+    greedy outputs equal those generated one at a time, and the pages balance."""
+    from loom.scheduler.admission import peak_pages
+    from loom.scheduler.scheduler import Scheduler
+
+    left = []  # requests still waiting after each admission
+    real = Scheduler._schedule_extend
+
+    def schedule(self):
+        items = real(self)
+        left.append(len(self.waiting))
+        return items
+
+    limits = [4 + 12 * i for i in range(len(prompts_ids))]
+    params = [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True} for m in limits]
+    lens = [len(p) for p in prompts_ids]
+    # + 1: a request finishing by length decodes one step past its last token when steps chain
+    pool = peak_pages(lens, [m + 1 for m in limits], [0] * len(lens), 1) + 2
+    expected = sum(n + -(-7 * m // 10) for n, m in zip(lens, limits, strict=True))
+    assert expected > pool + 40  # the expected pages alone would not admit them all
+    with loom.Engine(max_total_tokens=pool, page_size=1, max_running_requests=16) as e:
+        ref = [
+            e.generate(input_ids=p, sampling_params=s)["output_ids"]
+            for p, s in zip(prompts_ids, params, strict=True)
+        ]
+        e.flush_cache()  # no cached prompt may shrink what admitting them takes
+        retractions = e.scheduler.stats.num_retractions
+        monkeypatch.setattr(Scheduler, "_schedule_extend", schedule)
+        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == ref
+        assert [len(o["output_ids"]) for o in outs] == limits
+        assert left and not any(left)
+        assert e.scheduler.stats.num_retractions == retractions
+        _assert_balanced(e)
+
+
 def test_startup_warmup_leaves_a_clean_engine(prompts_ids, reference, monkeypatch):
     """The GPU's start-up warm-up (forced here on CPU): throwaway requests through each
     sampling path (argmax, temperature with and without top-p, penalties with logit bias,

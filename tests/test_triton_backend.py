@@ -234,9 +234,11 @@ def test_same_backend_for_both_phases_is_one_instance(tiny_dir):
 @pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("kvp", [1, 2])
-def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp):
+@pytest.mark.parametrize("splits", [4, 1])
+def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp, splits):
     """Both decode variants (broadcast products; tl.dot on the padded GQA group) against dense
-    attention over scattered KV slots, with one or two KV heads a program."""
+    attention over scattered KV slots, with one or two KV heads a program, and with four KV
+    splits merged by the second stage or one split writing the output itself."""
     from loom.layers.attention.triton_ops import decode_attention
 
     gen = torch.Generator().manual_seed(group)
@@ -256,7 +258,7 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp):
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
     out = decode_attention(
         *(t.to(dev) for t in (q, k_buf, v_buf, table, torch.arange(len(seq_lens)))),
-        torch.tensor(seq_lens, device=dev), scale, 4, use_dot=use_dot, kv_per_program=kvp,
+        torch.tensor(seq_lens, device=dev), scale, splits, use_dot=use_dot, kv_per_program=kvp,
     ).cpu()  # fmt: skip
     for r, n in enumerate(seq_lens):
         idx = table[r, :n]

@@ -665,3 +665,21 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
             e.scheduler.check_kv_balance()
     assert runs[True] == runs[False]
     assert len(chained) > 20 and len(set(chained)) > 3  # chained while the batch shrank
+
+
+def test_decode_steps_are_timed_on_the_device(tiny_dir):
+    """Events on the stream time each decode step on the device and, for chained steps, the
+    device's idle time before them: busy time is positive and within the decode steps' host
+    wall time, the idle time within it too, and the offline bench prints both."""
+    from loom.bench.offline import device_timeline, step_profile
+
+    prompts = [[7 + i] * (30 + i) for i in range(8)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with loom.Engine(**_cuda_kw(tiny_dir, "bfloat16")) as e:
+        before = dict(e.get_server_info())
+        e.generate(input_ids=prompts, sampling_params=params)
+        p = step_profile(before, e.get_server_info())
+    assert p["num_overlapped_batches"] > 20
+    assert 0 < p["time_device_decode_s"] <= p["time_decode_s"]
+    assert 0 <= p["time_device_idle_chained_s"] <= p["time_decode_s"]
+    assert "idle before a chained step" in device_timeline(p)

@@ -138,6 +138,21 @@ def host_phases(p: dict[str, Any]) -> str:
         f"{us('time_sampling_launch_s'):.0f} (grammar masks {us('time_grammar_mask_s'):.0f}), "
         f"resolve {us('time_resolve_s'):.0f}, device wait {us('time_device_wait_s'):.0f}, "
         f"total {us('time_decode_s'):.0f}"
+    ) + device_timeline(p)
+
+
+def device_timeline(p: dict[str, Any]) -> str:
+    """CUDA: the device's own time per decode step, and its idle time before chained steps
+    (from events on the stream), in microseconds."""
+    busy = p.get("time_device_decode_s", 0.0)
+    if not busy:
+        return ""
+    n = max(1, p["num_decode_batches"])
+    chained = max(1, p["num_overlapped_batches"])
+    idle = p.get("time_device_idle_chained_s", 0.0)
+    return (
+        f"; device us a step: busy {1e6 * busy / n:.0f}, idle before a chained step "
+        f"{1e6 * idle / chained:.0f} ({idle:.2f} s in all)"
     )
 
 

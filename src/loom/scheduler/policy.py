@@ -51,6 +51,11 @@ class SchedulePolicy(ABC):
     there. Constructor keyword options are server flags (e.g. ``seed``); ignore unknown ones.
     """
 
+    # Whether ``order`` is a function of the queue and the cache (two calls agree). The
+    # scheduler then checks only the first request's fit to decide whether a decode step may
+    # chain while requests wait; otherwise it checks a lower bound over the whole queue.
+    deterministic = True
+
     def __init__(self, **options: Any) -> None:
         self.options = options
 
@@ -117,6 +122,8 @@ class LOFPolicy(SchedulePolicy):
 
 class RandomPolicy(SchedulePolicy):
     """A shuffle from a generator seeded once (``--random-seed``), so runs repeat."""
+
+    deterministic = False
 
     def __init__(self, seed: int = 0, **options: Any) -> None:
         super().__init__(seed=seed, **options)

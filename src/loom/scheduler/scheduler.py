@@ -46,6 +46,7 @@ from loom.sampling.triton_sampling import (
     per_row_seeds,
 )
 from loom.sampling.triton_sampling import enabled as fused_sampling_enabled
+from loom.scheduler.admission import peak_pages
 from loom.scheduler.policy import NoPrefixCache
 from loom.scheduler.request import Req, ReqOutput
 
@@ -107,9 +108,15 @@ class _InflightDecode:
     tokens: torch.Tensor  # [bs] on the device
     host: _Sampled  # host copies, filled by non-blocking copies
     event: torch.cuda.Event | None
+    # CUDA: an event recorded before the step's forward (the device's start of the step) and
+    # whether the step was launched while the one before it was still in flight
+    begin: torch.cuda.Event | None = None
+    chained: bool = False
 
     @classmethod
-    def start(cls, reqs: list[Req], out: _Sampled) -> _InflightDecode:
+    def start(
+        cls, reqs: list[Req], out: _Sampled, begin=None, chained: bool = False
+    ) -> _InflightDecode:
         host = _Sampled(
             *(
                 None if t is None else _to_host(t)
@@ -118,9 +125,9 @@ class _InflightDecode:
         )
         event = None
         if out.tokens.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=begin is not None)
             event.record()
-        return cls(reqs, out.tokens, host, event)
+        return cls(reqs, out.tokens, host, event, begin, chained)
 
     def host_results(self, stats: SchedulerStats | None = None) -> tuple[list[int], list]:
         if self.event is not None:
@@ -199,6 +206,12 @@ class SchedulerStats:
     time_sampling_launch_s: float = 0.0
     time_resolve_s: float = 0.0
     time_grammar_mask_s: float = 0.0
+    # CUDA, from events on the stream: the device's time from the start of a decode step's
+    # forward to the end of its sampling, and for chained steps the time it sat idle between
+    # the step before and this one (0 when the host launched ahead of the device, as overlap
+    # intends; more when host work between steps, or a hidden sync, outlasts a step)
+    time_device_decode_s: float = 0.0
+    time_device_idle_chained_s: float = 0.0
 
 
 class Scheduler:
@@ -243,6 +256,10 @@ class Scheduler:
             else:
                 self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
         self._inflight: _InflightDecode | None = None
+        # CUDA: decode steps are timed on the device (SchedulerStats.time_device_*)
+        self._time_device = runner.device.type == "cuda"
+        self._decode_begin: torch.cuda.Event | None = None
+        self._last_decode_end: torch.cuda.Event | None = None
         # Structured output: requests whose grammar is compiling wait here, off the batch.
         self.grammar_queue: list[Req] = []
         self.grammar_mgr = None
@@ -731,6 +748,39 @@ class Scheduler:
         need = self._pages_for(req.seq_len + math.ceil(remaining * self.new_token_ratio))
         return need - matched_tokens // self.page_size
 
+    def _growth_left(self, req: Req) -> int:
+        """Tokens ``req`` may still add to its KV: its output budget left, plus one (a request
+        finishing by length decodes one step past its last token when steps chain)."""
+        return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) + 1
+
+    def _peak_rows(self, reqs) -> tuple[list[int], list[int], list[int], int]:
+        """``reqs``' rows for ``admission.peak_pages`` (tokens, growth left, shared pages) and
+        the pages they own now."""
+        tokens, growth, shared, owned = [], [], [], 0
+        for r in reqs:
+            tokens.append(r.seq_len)
+            growth.append(self._growth_left(r))
+            shared.append(r.num_shared_pages)
+            owned += len(r.kv_pages) - r.num_shared_pages
+        return tokens, growth, shared, owned
+
+    def _fits_at_peak(self, rows, extra: list[Req], cand: tuple[int, int, int], held: int) -> bool:
+        """Whether the admitted requests (``rows``: the running ones; ``extra``: those admitted
+        this step) and a candidate row (tokens, growth left, shared pages) fit the pool at
+        every future step, each running to its ``max_new_tokens``: admitting it can then never
+        force a retraction. ``held``: pages of the pool's room the candidate's matched prefix
+        takes (locked, no longer evictable)."""
+        tokens, growth, shared, owned = rows
+        t2, g2, s2, o2 = self._peak_rows(extra)
+        room = self.allocator.num_free + self._evictable_pages() + owned + o2 - held
+        peak = peak_pages(
+            tokens + t2 + [cand[0]],
+            growth + g2 + [cand[1]],
+            shared + s2 + [cand[2]],
+            self.page_size,
+        )
+        return peak <= room
+
     def _reserved_pages(self) -> int:
         """Pages to keep free for requests already admitted (decode room and unfilled prompts)."""
         total = 0
@@ -779,6 +829,7 @@ class Scheduler:
         free_pages = self._admission_room()
         num_active = len(self.running) + len(items)
         admitted_prompts: set[int] = set()
+        running_rows = None  # the running requests' rows for the peak bound, on first use
         for req in ordered:
             if budget <= 0 or num_active >= self.max_running:
                 break
@@ -803,7 +854,14 @@ class Scheduler:
             if need > free_pages and not (
                 alone and room >= self._pages_for(req.seq_len + 1 - len(slots))
             ):
-                break
+                # Beyond the expected pages, admit what fits even if everything runs to its
+                # limit (no retraction can follow; admission.py)
+                if running_rows is None:
+                    running_rows = self._peak_rows(self.running)
+                shared = len(slots) // self.page_size
+                cand = (req.seq_len, self._growth_left(req), shared)
+                if not self._fits_at_peak(running_rows, [it.req for it in items], cand, shared):
+                    break
             req.req_pool_idx = self.req_to_token_pool.alloc()
             evictable_before = self._evictable_pages()
             self._use_prefix(req, slots, node)
@@ -921,7 +979,13 @@ class Scheduler:
 
     def _start_sampling(self, logits: torch.Tensor, reqs: list[Req], pending: int):
         t = time.perf_counter()
-        inflight = _InflightDecode.start(reqs, self._sample_device(logits, reqs, pending))
+        begin, self._decode_begin = self._decode_begin, None
+        inflight = _InflightDecode.start(
+            reqs,
+            self._sample_device(logits, reqs, pending),
+            begin,
+            chained=self._inflight is not None,
+        )
         self.stats.time_sampling_launch_s += time.perf_counter() - t
         return inflight
 
@@ -930,6 +994,9 @@ class Scheduler:
         self.stats.num_decode_batches += 1
         self.stats.num_decode_tokens += len(self.running)
         reqs = list(self.running)
+        if self._time_device:
+            self._decode_begin = torch.cuda.Event(enable_timing=True)
+            self._decode_begin.record()
         locs = []
         for req in reqs:
             loc = self._alloc_kv(req, 1, write=False)
@@ -958,6 +1025,8 @@ class Scheduler:
         outputs = []
         t, waited = time.perf_counter(), self.stats.time_device_wait_s
         tokens, lps = inflight.host_results(self.stats)
+        if inflight.begin is not None:
+            self._time_on_device(inflight)
         for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
             if req.is_finished:  # finished by the step before (overlap ran one step past it)
                 continue
@@ -967,6 +1036,16 @@ class Scheduler:
         dt = time.perf_counter() - t - (self.stats.time_device_wait_s - waited)
         self.stats.time_resolve_s += dt
         return outputs
+
+    def _time_on_device(self, inflight: _InflightDecode) -> None:
+        """The device's busy time for a resolved decode step and, if it was chained, the idle
+        time before it (both events completed: the step's last one was waited for)."""
+        self.stats.time_device_decode_s += inflight.begin.elapsed_time(inflight.event) / 1e3
+        prev = self._last_decode_end
+        if inflight.chained and prev is not None:
+            gap = prev.elapsed_time(inflight.begin) / 1e3
+            self.stats.time_device_idle_chained_s += max(gap, 0.0)
+        self._last_decode_end = inflight.event
 
     def _can_chain(self) -> bool:
         """Whether the next step can be launched before the in-flight one is resolved: nothing
@@ -992,15 +1071,33 @@ class Scheduler:
         return not self.waiting or self._nothing_admissible()  # (the costliest check last)
 
     def _nothing_admissible(self) -> bool:
-        """Whether no waiting request could be admitted now, whatever the prefix cache holds:
-        the running limit or the request table is full, or each one's pages with its prompt
-        matched up to its last token (a lower bound on what ``_schedule_extend`` asks) exceed
-        the free pages. A decode step may then chain on the one in flight even though requests
-        wait: resolving it first would admit nothing and only expose the host's work."""
+        """Whether ``_schedule_extend`` would admit no waiting request now: the running limit or
+        the request table is full, or the request it would try first does not fit (it stops at
+        the first that does not). A decode step may then chain on the one in flight even though
+        requests wait: resolving it first would admit nothing and only expose the host's work.
+        Requests finishing in the step in flight still hold their pages here, so an admission
+        they make room for waits one step."""
         if len(self.running) >= self.max_running or self.req_to_token_pool.num_free == 0:
             return True
         room = self._admission_room()
-        return all(self._pages_to_admit(r, r.seq_len - 1) > room for r in self.waiting)
+        rows = self._peak_rows(self.running)
+        ps = self.page_size
+        if self.policy.deterministic and not hasattr(self.tree, "match_and_load"):
+            head = self.policy.order(list(self.waiting), self._prefix_view)[0]
+            matched = self.match(head)[0] if self.tree is not None else 0
+            if self._pages_to_admit(head, matched) <= room:
+                return False
+            shared = matched // ps
+            cand = (head.seq_len, self._growth_left(head), shared)
+            return not self._fits_at_peak(rows, [], cand, shared)
+        # Otherwise a lower bound over the whole queue, whatever the prefix cache (or its host
+        # tier) holds: each request's prompt matched up to its last token.
+        if any(self._pages_to_admit(r, r.seq_len - 1) <= room for r in self.waiting):
+            return False
+        # and, for the peak bound, a candidate no larger than any waiting one
+        own = min((r.seq_len - 1) % ps + 1 for r in self.waiting)
+        growth = min(self._growth_left(r) for r in self.waiting)
+        return not self._fits_at_peak(rows, [], (own, growth, 0), 0)
 
     def _host_before_sampling(self) -> bool:
         return any(

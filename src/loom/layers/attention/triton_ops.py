@@ -45,6 +45,7 @@ def _decode_stage1(
     SeqLens,
     MidO,
     MidLse,
+    Out,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -57,6 +58,8 @@ def _decode_stage1(
     stride_mos,
     stride_mlb,
     stride_mlh,
+    stride_ob,
+    stride_oh,
     scale,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -160,15 +163,26 @@ def _decode_stage1(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    has = end > start
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(
-        MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-        out,
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+    if NUM_SPLITS == 1:  # the whole row in one program: the output itself, no merge
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        has = end > start
+        lse = tl.where(has, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(
+            MidO
+            + b * stride_mob
+            + heads[:, None] * stride_moh
+            + split * stride_mos
+            + offs_d[None, :],
+            out,
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(MidLse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
 
 
 @triton.jit
@@ -252,11 +266,10 @@ def decode_attention(
     kvp = kv_per_program
     if kvp < 1 or kvp & (kvp - 1) or kv_heads % kvp:
         raise ValueError(f"kv_per_program={kvp}: a power of two dividing {kv_heads} KV heads")
-    if mid_o is None:
-        mid_o = torch.empty(
-            bs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        mid_lse = torch.empty(bs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if mid_o is None:  # one split writes the output directly: no scratch (placeholders)
+        shape = (bs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+        mid_o = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(*shape, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
@@ -269,6 +282,7 @@ def decode_attention(
         seq_lens,
         mid_o,
         mid_lse,
+        out,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -281,6 +295,8 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         scale,
         GROUP=group,
         BLOCK_H=max(triton.next_power_of_2(group * kvp), 16 if use_dot else 1),
@@ -295,6 +311,8 @@ def decode_attention(
         KVP=kvp,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
+    if num_splits == 1:  # stage 1 wrote the output
+        return out
     _decode_stage2[(bs, num_heads)](
         mid_o,
         mid_lse,
