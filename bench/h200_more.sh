@@ -34,6 +34,9 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+# Session 10, call 3: quick10 (prefill overlap, FlashInfer plan events, decode programs
+#   longest first), wl8b fp8 (default: all of it, collector frozen), wl8b fp8 with
+#   LOOM_TRITON_ORDER=0, wl8b fp8 --engine-backend process, wl8b bf16
 # Session 10's plan, call 2 (done in session 10): quick10, then wl8b (bf16: admission by
 #   the bounded peak; all 1,000 requests should be admitted in ~70 prefills) and wl8b
 #   --kv-cache-dtype fp8_e4m3 (the device's idle time before chained steps, now printed)
@@ -267,6 +270,13 @@ quick10)
   # timed on the device; graphs over large batches, fp8 engines
   $py -m pytest -q -m gpu tests/gpu -k "timed_on_the_device or large_batches or fp8 or graph" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee -a "$log"
   $py -m pytest -q tests/test_triton_backend.py -k "half_precision or variants" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -5 | tee -a "$log"
+  ;;
+wlnoorder)
+  LOOM_TRITON_ORDER=0 offline "8b-1000-random-noorder" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
+  ;;
+wlnogc)
+  # the 1000-request workload with the collector not frozen after start-up (LOOM_GC_FREEZE=0)
+  LOOM_GC_FREEZE=0 offline "8b-1000-random-nogcfreeze" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
   ;;
 quick9)
   # session 9: the CUDA graph runner's packed static buffers (one [5, max_bs] tensor, three

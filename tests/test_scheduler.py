@@ -236,6 +236,33 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
         _assert_balanced(e)
 
 
+def test_overlap_launches_the_next_prefill_before_applying_first_tokens(prompts_ids, reference):
+    """With overlap, a prefill step launches before the previous prefill's first tokens are
+    applied (its requests already count as running for admission). Prompts in 16-token chunks
+    make runs of prefill steps; requests finishing on their first token, at different lengths,
+    and one with prompt logprobs (applied at once) give the one-at-a-time outputs, and the pages
+    balance."""
+    with loom.Engine(max_total_tokens=8192, chunked_prefill_size=16) as e:
+        e.scheduler.overlap = True
+        limits = [1, 48, 7, 1, 30, 48, 12, 2][: len(prompts_ids)]
+        params = [{**PARAMS, "max_new_tokens": m} for m in limits]
+        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
+        for out, ref, m in zip(outs, reference, limits, strict=True):
+            assert out["output_ids"] == ref[:m]
+        st = e.scheduler.stats
+        assert st.num_overlapped_prefill_batches >= 5
+        lp = e.generate(
+            input_ids=prompts_ids[:3],
+            sampling_params=params[:3],
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        assert [o["output_ids"] for o in lp] == [reference[0][:1], reference[1], reference[2][:7]]
+        for o, ids in zip(lp, prompts_ids, strict=False):
+            assert len(o["meta_info"]["input_token_logprobs"]) == len(ids)
+        _assert_balanced(e)
+
+
 def test_overlap_chains_while_waiting_requests_cannot_be_admitted(
     prompts_ids, reference, monkeypatch
 ):

@@ -238,7 +238,8 @@ def test_same_backend_for_both_phases_is_one_instance(tiny_dir):
 def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp, splits):
     """Both decode variants (broadcast products; tl.dot on the padded GQA group) against dense
     attention over scattered KV slots, with one or two KV heads a program, and with four KV
-    splits merged by the second stage or one split writing the output itself."""
+    splits merged by the second stage or one split writing the output itself (its programs
+    taking the rows in a given order, as the backend gives them longest first)."""
     from loom.layers.attention.triton_ops import decode_attention
 
     gen = torch.Generator().manual_seed(group)
@@ -259,6 +260,7 @@ def test_decode_kernel_variants_match_dense_attention(use_dot, group, kvp, split
     out = decode_attention(
         *(t.to(dev) for t in (q, k_buf, v_buf, table, torch.arange(len(seq_lens)))),
         torch.tensor(seq_lens, device=dev), scale, splits, use_dot=use_dot, kv_per_program=kvp,
+        order=torch.tensor([2, 0, 1], device=dev) if splits == 1 else None,
     ).cpu()  # fmt: skip
     for r, n in enumerate(seq_lens):
         idx = table[r, :n]

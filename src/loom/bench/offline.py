@@ -42,6 +42,13 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--result-file", default=None, help="append a JSON line with the results")
     g.add_argument(
+        "--engine-backend",
+        choices=("thread", "process"),
+        default="thread",
+        help="process: the scheduler in a process of its own (as `loom serve` runs it), so "
+        "that this process's handling of the outputs does not share its interpreter lock",
+    )
+    g.add_argument(
         "--sampling",
         choices=("greedy", "penalties"),
         default="greedy",
@@ -112,6 +119,9 @@ _STEP_KEYS = tuple(f.name for f in fields(SchedulerStats))
 def step_profile(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Where the scheduler's time went during a run: the counters' differences."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in _STEP_KEYS}
+    for k in _STEP_KEYS:
+        if k.endswith("_max_s"):  # a running maximum, not a sum (it may predate the run)
+            d[k] = after.get(k, 0.0)
     d["mean_decode_batch"] = d["num_decode_tokens"] / max(1, d["num_decode_batches"])
     return d
 
@@ -121,7 +131,8 @@ def format_step_profile(p: dict[str, Any]) -> str:
         f"  steps: {p['num_prefill_batches']} prefill ({p['num_prompt_tokens']} prompt tokens, "
         f"{p['time_prefill_s']:.2f} s), {p['num_decode_batches']} decode (mean batch "
         f"{p['mean_decode_batch']:.1f}, {p['time_decode_s']:.2f} s); host blocked on the device "
-        f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions"
+        f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions; overlapped: "
+        f"{p['num_overlapped_batches']} decode, {p['num_overlapped_prefill_batches']} prefill"
     )
     return out + sampling_graph_summary(p) + "\n  " + host_phases(p)
 
@@ -152,7 +163,9 @@ def device_timeline(p: dict[str, Any]) -> str:
     idle = p.get("time_device_idle_chained_s", 0.0)
     return (
         f"; device us a step: busy {1e6 * busy / n:.0f}, idle before a chained step "
-        f"{1e6 * idle / chained:.0f} ({idle:.2f} s in all)"
+        f"{1e6 * idle / chained:.0f} ({idle:.2f} s in all; over 0.5 ms before "
+        f"{p.get('num_device_idle_chained_steps', 0)} steps, the longest "
+        f"{1e3 * p.get('time_device_idle_chained_max_s', 0.0):.1f} ms)"
     )
 
 
@@ -236,7 +249,7 @@ def run_hf(
 def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.engine.engine import Engine
 
-    with Engine(**server_kwargs) as engine:
+    with Engine(backend=ns.engine_backend, **server_kwargs) as engine:
         reqs = make_requests(
             ns.num_prompts,
             ns.input_len,

@@ -6,6 +6,7 @@ and a callback that receives every ``SchedulerBatchOut``."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -45,6 +46,13 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
         t = time.perf_counter()
         sched.warmup()  # Triton compiles before the first request, not inside it
         logger.info("warm-up took %.2f s", time.perf_counter() - t)
+    if runner.device.type == "cuda" and os.environ.get("LOOM_GC_FREEZE", "1") != "0":
+        # What start-up built (the model's modules, graphs, compiled kernels) lives until
+        # shutdown: keep it out of the collector's full passes, which otherwise walk it all
+        # while a decode step waits to be launched (as vLLM does after graph capture).
+        # LOOM_GC_FREEZE=0 leaves it (for measuring)
+        gc.collect()
+        gc.freeze()
     info = {
         "model_path": runner.model_path,
         "architecture": runner.model_config.architecture,

@@ -182,6 +182,8 @@ class SchedulerStats:
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
     num_overlapped_batches: int = 0  # decode steps launched before the previous one resolved
+    # prefill steps launched before the previous prefill's first tokens were applied
+    num_overlapped_prefill_batches: int = 0
     num_mixed_batches: int = 0  # prefill batches that also decoded the running requests
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
@@ -212,6 +214,8 @@ class SchedulerStats:
     # intends; more when host work between steps, or a hidden sync, outlasts a step)
     time_device_decode_s: float = 0.0
     time_device_idle_chained_s: float = 0.0
+    num_device_idle_chained_steps: int = 0  # chained steps the device waited over 0.5 ms for
+    time_device_idle_chained_max_s: float = 0.0
 
 
 class Scheduler:
@@ -256,6 +260,9 @@ class Scheduler:
             else:
                 self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
         self._inflight: _InflightDecode | None = None
+        # Overlap: a prefill step whose sampled first tokens are still on their way; the next
+        # prefill launches before they are applied (its requests already count as running)
+        self._inflight_prefill: _InflightDecode | None = None
         # CUDA: decode steps are timed on the device (SchedulerStats.time_device_*)
         self._time_device = runner.device.type == "cuda"
         self._decode_begin: torch.cuda.Event | None = None
@@ -428,6 +435,7 @@ class Scheduler:
             or self.chunked_req
             or self._aborts
             or self._inflight is not None
+            or self._inflight_prefill is not None
             or self.grammar_queue
         )
 
@@ -491,7 +499,7 @@ class Scheduler:
         t = time.perf_counter()
         prefills = self.stats.num_prefill_batches
         waited = self.stats.time_grammar_wait_s
-        self._tail_s = 0.0
+        self._tail_s = self._prefill_tail_s = 0.0
         outputs = self._step()
         dt = time.perf_counter() - t - (self.stats.time_grammar_wait_s - waited)
         if self.stats.num_prefill_batches != prefills:
@@ -499,8 +507,9 @@ class Scheduler:
             # prefill that follows it
             self.stats.time_prefill_s += dt - self._tail_s
             self.stats.time_decode_s += self._tail_s
-        else:
-            self.stats.time_decode_s += dt
+        else:  # and the wait for a prefill still in flight, to prefill
+            self.stats.time_decode_s += dt - self._prefill_tail_s
+            self.stats.time_prefill_s += self._prefill_tail_s
         return outputs
 
     def _step(self) -> list[ReqOutput]:
@@ -529,10 +538,22 @@ class Scheduler:
         outputs += self._poll_grammars()
         outputs += self._apply_aborts()
         items = self._schedule_extend()
+        if self._inflight_prefill is not None:
+            pending, self._inflight_prefill = self._inflight_prefill, None
+            if items and self._may_defer(items):
+                # Overlap: launch this prefill, then apply the previous one's first tokens
+                # while the device works (nothing here depends on them)
+                outputs += self._run_extend(items, defer=True)
+                outputs += self._resolve_prefill(pending)
+                self.stats.num_overlapped_prefill_batches += 1
+                return outputs
+            t = time.perf_counter()
+            outputs += self._resolve_prefill(pending)
+            self._prefill_tail_s = time.perf_counter() - t
         if items:
             if self.args.enable_mixed_chunk and self.running:
                 items += self._mixed_decode_items()
-            outputs += self._run_extend(items)
+            outputs += self._run_extend(items, defer=self.overlap and self._may_defer(items))
         elif self.running:
             outputs += self._ensure_decode_room()
             if self.running:
@@ -728,7 +749,7 @@ class Scheduler:
         """Empty the prefix cache; only when idle (running requests may hold matched paths)."""
         if self.tree is None:
             return True
-        if self.running or self.waiting or self.chunked_req or self._inflight is not None:
+        if self.running or self.waiting or self.chunked_req or self.has_work:
             return False
         self.tree.flush()
         return True
@@ -915,7 +936,18 @@ class Scheduler:
             table.device, non_blocking=True
         )
 
-    def _run_extend(self, items: list[_ExtendItem]) -> list[ReqOutput]:
+    def _may_defer(self, items: list[_ExtendItem]) -> bool:
+        """Whether a prefill step's first tokens may be applied a step later (overlap): not when
+        it computes prompt logprobs, nor with ``--enable-mixed-chunk`` (the running requests
+        decode inside prefill steps and need their tokens applied)."""
+        if self.args.enable_mixed_chunk:
+            return False
+        return not any(it.req.wants_input_logprobs for it in items)
+
+    def _run_extend(self, items: list[_ExtendItem], defer: bool = False) -> list[ReqOutput]:
+        """One prefill step. ``defer``: launch it and leave its sampled first tokens in flight
+        (``_inflight_prefill``, applied by the next step); its requests join ``running`` now, so
+        that admission counts them."""
         self.stats.num_prefill_batches += 1
         input_ids, positions = [], []
         for it in items:
@@ -955,17 +987,26 @@ class Scheduler:
         done = [i for i, it in enumerate(items) if it.completes]
         if not done:
             return []
-        sampled = self._sample_device(logits[done], [reqs[i] for i in done])
-        t = time.perf_counter()
-        tokens = sampled.tokens.tolist()
-        self.stats.time_device_wait_s += time.perf_counter() - t
-        lps = _logprob_rows(sampled, len(done))
-        outputs = []
-        for i, tok, lp in zip(done, tokens, lps, strict=True):
-            req = reqs[i]
-            outputs.append(self._append_token(req, tok, lp))
-            if not req.is_finished and not items[i].decode:
-                self.running.append(req)
+        done_reqs = [reqs[i] for i in done]
+        sampled = _InflightDecode.start(done_reqs, self._sample_device(logits[done], done_reqs))
+        new = [reqs[i] for i in done if not items[i].decode]
+        if defer:
+            self.running += new
+            self._inflight_prefill = sampled
+            return []
+        outputs = self._resolve_prefill(sampled)
+        self.running += [r for r in new if not r.is_finished]
+        return outputs
+
+    def _resolve_prefill(self, sampled: _InflightDecode) -> list[ReqOutput]:
+        """Wait for a prefill step's first tokens and apply them (requests aborted meanwhile
+        are skipped)."""
+        tokens, lps = sampled.host_results(self.stats)
+        outputs = [
+            self._append_token(req, tok, lp)
+            for req, tok, lp in zip(sampled.reqs, tokens, lps, strict=True)
+            if not req.is_finished
+        ]
         self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
@@ -1043,8 +1084,11 @@ class Scheduler:
         self.stats.time_device_decode_s += inflight.begin.elapsed_time(inflight.event) / 1e3
         prev = self._last_decode_end
         if inflight.chained and prev is not None:
-            gap = prev.elapsed_time(inflight.begin) / 1e3
-            self.stats.time_device_idle_chained_s += max(gap, 0.0)
+            gap = max(prev.elapsed_time(inflight.begin) / 1e3, 0.0)
+            st = self.stats
+            st.time_device_idle_chained_s += gap
+            st.num_device_idle_chained_steps += gap > 5e-4
+            st.time_device_idle_chained_max_s = max(st.time_device_idle_chained_max_s, gap)
         self._last_decode_end = inflight.event
 
     def _can_chain(self) -> bool:

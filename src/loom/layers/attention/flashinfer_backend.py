@@ -88,6 +88,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graph_wrappers: dict[int, Any] = {}
         self._graph_indices: torch.Tensor | None = None
         self._ones = torch.ones(1024, dtype=torch.int32, device=dev)
+        # Per wrapper: an event after its last plan's copies. ``plan`` fills a pinned host
+        # buffer and copies it to the device without waiting; with overlap the next plan can
+        # come while that copy is still queued behind the step in flight, so it waits for the
+        # event first (in practice already passed: the step before has been waited for).
+        self._planned: dict[int, torch.cuda.Event] = {}
         self.default_scale = ctx.head_dim**-0.5
 
     # ---- plan -----------------------------------------------------------------------------
@@ -130,6 +135,16 @@ class FlashInferAttnBackend(AttentionBackend):
             )
         return self.graph_wrappers[bs]
 
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        if self.ctx.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self._planned[id(wrapper)] = done
+
     def prepare_host(self, batch):
         ctx = self.ctx
         bs = batch.batch_size
@@ -143,7 +158,8 @@ class FlashInferAttnBackend(AttentionBackend):
             graph_bs = getattr(batch, "graph_bs", None)
             wrapper = self.decode if graph_bs is None else self.graph_wrappers[graph_bs]
             indices = self._kv_indices(batch, lens_cpu)
-            wrapper.plan(
+            self._plan(
+                wrapper,
                 indptr,
                 indices,
                 self._last_page_len(bs),
@@ -156,7 +172,8 @@ class FlashInferAttnBackend(AttentionBackend):
             return _Metadata(wrapper)
         qo = torch.zeros(bs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
-        self.prefill.plan(
+        self._plan(
+            self.prefill,
             qo,
             indptr,
             self._kv_indices(batch, lens_cpu),

@@ -20,6 +20,9 @@ _FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls
 # kv_per_program. Capped at the model's KV heads.
 _FORCED_KVP = os.environ.get("LOOM_TRITON_KVP")
 _FORCED_PREFETCH = os.environ.get("LOOM_TRITON_PREFETCH")  # "0" / "1"; unset: decode_prefetch
+# Decode programs take the requests longest first when one split covers each (see
+# TritonAttnBackend._decode_order); "0" keeps the batch order (for measuring)
+_ORDER = os.environ.get("LOOM_TRITON_ORDER", "1") != "0"
 
 
 def num_kv_splits(bs: int) -> int:
@@ -71,6 +74,7 @@ class _Metadata:
     extend_lens: torch.Tensor | None = None
     prefix_lens: torch.Tensor | None = None
     max_extend_len: int = 0
+    order: torch.Tensor | None = None  # decode: the batch rows, longest first
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -118,10 +122,23 @@ class TritonAttnBackend(AttentionBackend):
         )
         return out.view(-1, layer.num_heads * layer.head_dim)
 
+    @staticmethod
+    def _decode_order(batch) -> torch.Tensor:
+        """The batch's rows longest first, sorted on the device once a forward (by the first
+        layer; inside a CUDA graph, by its replay). With one KV split each program's work is
+        its request's context, and the GPU takes programs in grid order: in batch order, a
+        long row launched last runs alone at the end. Longest first, the last programs are
+        the shortest (longest-processing-time-first scheduling)."""
+        md = batch.attn_metadata
+        if md.order is None:
+            md.order = torch.argsort(batch.seq_lens, descending=True)
+        return md.order
+
     def forward_decode(self, q, layer, batch):
         from loom.layers.attention.triton_ops import decode_attention
 
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        splits = num_kv_splits(batch.batch_size)
         out = decode_attention(
             q.view(-1, layer.num_heads, layer.head_dim),
             k_buf,
@@ -130,8 +147,9 @@ class TritonAttnBackend(AttentionBackend):
             batch.req_pool_indices,
             batch.seq_lens,
             layer.scaling,
-            num_kv_splits(batch.batch_size),
+            splits,
             kv_per_program=min(kv_per_program(batch.batch_size, k_buf.dtype), k_buf.shape[1]),
             prefetch=decode_prefetch(batch.batch_size, k_buf.dtype),
+            order=self._decode_order(batch) if splits == 1 and _ORDER else None,
         )
         return out.view(-1, layer.num_heads * layer.head_dim)

@@ -43,6 +43,7 @@ def _decode_stage1(
     ReqToToken,
     ReqPoolIdx,
     SeqLens,
+    Order,
     MidO,
     MidLse,
     Out,
@@ -72,8 +73,12 @@ def _decode_stage1(
     DOT_FP16: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     KVP: tl.constexpr = 1,
+    ORDERED: tl.constexpr = False,
 ):
-    b = tl.program_id(0)
+    if ORDERED:  # programs take requests in the given order (longest first: see decode_attention)
+        b = tl.load(Order + tl.program_id(0))
+    else:
+        b = tl.program_id(0)
     kv_head = tl.program_id(1)  # the program's first KV head / KVP (KVP heads a program)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
@@ -242,6 +247,7 @@ def decode_attention(
     num_stages: int | None = None,
     prefetch: bool = False,
     kv_per_program: int = 1,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
@@ -254,7 +260,10 @@ def decode_attention(
     measuring (bench/attn_micro.py); ``prefetch``: load the next tile's slot indices while this
     tile's K/V are in flight (for measuring); ``kv_per_program``: KV heads one program reads
     (a power of two dividing the KV heads; tiles of block_n tokens x that many heads, read as
-    one contiguous run per token; for measuring, e.g. over fp8 caches)."""
+    one contiguous run per token; for measuring, e.g. over fp8 caches); ``order``: the batch
+    rows in the order programs take them (``[bs]``, a permutation), e.g. longest first, so
+    that the grid's last programs are short ones instead of whichever requests came last
+    (ragged contexts otherwise leave the GPU half idle behind a few long rows)."""
     if use_dot is None:
         if _DECODE_VARIANT in ("dot", "plain"):
             use_dot = _DECODE_VARIANT == "dot"
@@ -280,6 +289,7 @@ def decode_attention(
         req_to_token,
         req_pool_indices,
         seq_lens,
+        seq_lens if order is None else order,
         mid_o,
         mid_lse,
         out,
@@ -309,6 +319,7 @@ def decode_attention(
         DOT_FP16=use_dot and q.dtype != torch.float32 and k_buf.dtype in FP8_DTYPES,
         PREFETCH=prefetch,
         KVP=kvp,
+        ORDERED=order is not None,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     if num_splits == 1:  # stage 1 wrote the output
