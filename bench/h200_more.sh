@@ -34,6 +34,8 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+# Session 10, call 4: wl8b fp8 and bf16, each with the thread and the process engine backend
+#   (chained steps evict cached pages for room; batch outputs consumed as they arrive)
 # Session 10, call 3: quick10 (prefill overlap, FlashInfer plan events, decode programs
 #   longest first), wl8b fp8 (default: all of it, collector frozen), wl8b fp8 with
 #   LOOM_TRITON_ORDER=0, wl8b fp8 --engine-backend process, wl8b bf16

@@ -140,6 +140,24 @@ def test_stop_token_ids_and_stop_strings(engine, prompts_ids, reference):
     _assert_balanced(engine)
 
 
+def test_batch_catches_each_stop_string_as_it_comes(engine, prompts_ids):
+    """In a batch, outputs are consumed as they arrive, whichever request they belong to: a
+    request behind a long one in the list stops on its stop string at once (the scheduler
+    stops generating for it), not when the caller has finished waiting for the long one."""
+    long = {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True}
+    stopping = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True, "stop": [" is"]}
+    before = engine.scheduler.stats.num_generated_tokens
+    outs = engine.generate(
+        input_ids=[prompts_ids[1], prompts_ids[0]], sampling_params=[long, stopping]
+    )
+    generated = engine.scheduler.stats.num_generated_tokens - before
+    assert outs[1]["text"] == "The capital of France"
+    assert len(outs[0]["output_ids"]) == 80
+    # the stopped request ran a few tokens past its stop (steps in flight), not ~80 more
+    assert generated < 80 + 20
+    _assert_balanced(engine)
+
+
 def test_stream_holds_back_a_stop_string_spanning_tokens(engine, prompts_ids):
     # "... France is Paris.": the stop "ce is" starts inside the token " France", so the stream
     # must hold "ce" back until it knows whether the stop string completes.
@@ -233,6 +251,45 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
             # requests finishing (here by length, at three different steps) do not break the
             # chain: only the first decode step after each prefill runs unchained
             assert st.num_overlapped_batches >= st.num_decode_batches - st.num_prefill_batches
+        _assert_balanced(e)
+
+
+def test_overlap_chains_through_a_full_pool_by_evicting_cached_pages(prompts_ids, monkeypatch):
+    """A pool just large enough for the requests' bounded peak: finished requests leave their
+    pages in the prefix cache, so free pages run short while the cache holds plenty. A chained
+    step evicts unused cached pages for its room instead of falling back to an unchained one:
+    every decode step but the first after each prefill chains, nothing is retracted, outputs
+    equal those generated one at a time, and the pages balance."""
+    from loom.mem_cache.radix_cache import RadixCache
+    from loom.scheduler.admission import peak_pages
+
+    limits = [4 + 12 * i for i in range(len(prompts_ids))]
+    params = [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True} for m in limits]
+    lens = [len(p) for p in prompts_ids]
+    pool = peak_pages(lens, [m + 1 for m in limits], [0] * len(lens), 1) + 2
+    with loom.Engine(max_total_tokens=pool, page_size=1) as e:
+        ref = [
+            e.generate(input_ids=p, sampling_params=s)["output_ids"]
+            for p, s in zip(prompts_ids, params, strict=True)
+        ]
+        e.flush_cache()
+        evictions = []
+        real = RadixCache.evict
+        monkeypatch.setattr(
+            RadixCache, "evict", lambda self, n: evictions.append(n) or real(self, n)
+        )
+        e.scheduler.overlap = True
+        st = e.scheduler.stats
+        before = (st.num_decode_batches, st.num_overlapped_batches, st.num_prefill_batches)
+        retractions = st.num_retractions
+        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == ref
+        decode = st.num_decode_batches - before[0]
+        chained = st.num_overlapped_batches - before[1]
+        prefill = st.num_prefill_batches - before[2]
+        assert evictions  # the cache had to give pages back
+        assert chained >= decode - prefill
+        assert st.num_retractions == retractions
         _assert_balanced(e)
 
 

@@ -249,13 +249,18 @@ def run_hf(
 def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.engine.engine import Engine
 
+    if ns.compare_hf and ns.engine_backend != "thread":
+        raise SystemExit(
+            "--compare-hf builds HF's model from the engine's own weights in this "
+            "process: use --engine-backend thread"
+        )
     with Engine(backend=ns.engine_backend, **server_kwargs) as engine:
         reqs = make_requests(
             ns.num_prompts,
             ns.input_len,
             ns.output_len,
             ns.random_range_ratio,
-            engine.runner.vocab_size,
+            engine.vocab_size,
             ns.seed,
         )
         info = engine.get_server_info()

@@ -299,7 +299,9 @@ class Engine:
         priority: int | None = None,
         extra_key: str | None = None,
         logprob: tuple[bool, int, int] = (False, 0, -1),
+        outputs: queue.Queue | None = None,
     ) -> _ReqState:
+        """``outputs``: a queue shared with other requests of a batch (``_wait_all``)."""
         self._check_alive()
         rid = rid or uuid.uuid4().hex
         detok = None
@@ -309,7 +311,7 @@ class Engine:
             rid,
             len(input_ids),
             params,
-            asyncio.Queue() if loop is not None else queue.Queue(),
+            outputs or (asyncio.Queue() if loop is not None else queue.Queue()),
             loop,
             detok,
         )
@@ -326,7 +328,7 @@ class Engine:
         self.backend.send(("add", req))
         return st
 
-    def _submit_n(self, ids, params, rid, priority, extra_key, lp) -> list[_ReqState]:
+    def _submit_n(self, ids, params, rid, priority, extra_key, lp, outputs=None) -> list[_ReqState]:
         """``n`` samples of one prompt: n requests (rids ``{rid}-{i}``), each with its own
         seed stream when seeded. The scheduler prefills the shared prompt once: identical
         prompts admitted together wait one step for the first one's KV (radix cache)."""
@@ -339,7 +341,9 @@ class Engine:
                 p.sampling_seed = p.sampling_seed + i
             r = f"{rid}-{i}" if rid else None
             states.append(
-                self._submit(ids, p, r, priority=priority, extra_key=extra_key, logprob=lp)
+                self._submit(
+                    ids, p, r, priority=priority, extra_key=extra_key, logprob=lp, outputs=outputs
+                )
             )
         return states
 
@@ -450,6 +454,26 @@ class Engine:
             if st.finished:
                 return self._final(st, inc)
 
+    def _wait_all(self, states: list[_ReqState], shared: queue.Queue) -> list[dict[str, Any]]:
+        """The results of requests whose outputs arrive on one ``shared`` queue, consumed in
+        arrival order whichever request they belong to: each output is detokenised and checked
+        for stop strings as it comes (a request that hit one is aborted at once, not when the
+        caller gets to it), and nothing piles up behind the request waited for."""
+        index = {st.rid: i for i, st in enumerate(states)}
+        results: list[dict[str, Any] | None] = [None] * len(states)
+        left = len(states)
+        while left:
+            out = shared.get()
+            i = index[out.rid]
+            st = states[i]
+            if st.finished:  # (an engine failure's abort after the request's end)
+                continue
+            inc = self._consume(st, out)
+            if st.finished:
+                results[i] = self._final(st, inc)
+                left -= 1
+        return results
+
     def _stream(self, st: _ReqState) -> _SyncStream:
         return _SyncStream(self, st)
 
@@ -486,8 +510,9 @@ class Engine:
             if params.n > 1:
                 if stream:
                     raise ValueError("stream=True takes n=1")
-                states = self._submit_n(ids, params, rid, priority, extra_key, lp)
-                return [self._wait(st) for st in states]
+                shared: queue.Queue = queue.Queue()
+                states = self._submit_n(ids, params, rid, priority, extra_key, lp, shared)
+                return self._wait_all(states, shared)
             st = self._submit(ids, params, rid, priority=priority, extra_key=extra_key, logprob=lp)
             return self._stream(st) if stream else self._wait(st)
         if stream:
@@ -500,12 +525,17 @@ class Engine:
         for pr, k in zip(prios, keys, strict=True):
             _check_options(pr, k)
         states = []
+        shared = queue.Queue()
         for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True):
             if params.n > 1:
-                states += self._submit_n(ids, params, r, pr, k, lp)
+                states += self._submit_n(ids, params, r, pr, k, lp, shared)
             else:
-                states.append(self._submit(ids, params, r, priority=pr, extra_key=k, logprob=lp))
-        return [self._wait(st) for st in states]
+                states.append(
+                    self._submit(
+                        ids, params, r, priority=pr, extra_key=k, logprob=lp, outputs=shared
+                    )
+                )
+        return self._wait_all(states, shared)
 
     def _as_batch(self, prompt, input_ids, sampling_params, rid):
         """Validate every item of a batch before submitting any; None for a single request."""

@@ -1111,7 +1111,15 @@ class Scheduler:
                 return False
         need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
         if need > self.allocator.num_free:
-            return False
+            # Finished requests' pages sit in the prefix cache: evict unused ones for the
+            # room rather than break the chain (the pages may still be read by the step in
+            # flight, but whatever reuses them is queued after it on the same stream). Only
+            # a retraction needs the unchained path.
+            if need > self.allocator.num_free + self._evictable_pages():
+                return False
+            self.tree.evict((need - self.allocator.num_free) * self.page_size)
+            if need > self.allocator.num_free:
+                return False
         return not self.waiting or self._nothing_admissible()  # (the costliest check last)
 
     def _nothing_admissible(self) -> bool:
