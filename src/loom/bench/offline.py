@@ -266,7 +266,8 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
         info = engine.get_server_info()
         loom = run_loom(engine, reqs, ns.sampling)
         print(
-            f"Loom  ({info['device']}, {info['dtype']}, {info['attention_backend']}, "
+            f"Loom  ({info['device']}, {info['dtype']}, KV cache "
+            f"{info.get('kv_cache_dtype', 'auto')}, {info['attention_backend']}, "
             f"{ns.num_prompts} requests, in {ns.input_len} / out {ns.output_len}): "
             f"{loom['output_tokens_per_s']:.1f} output tokens/s, "
             f"mean TPOT {loom['mean_tpot_ms']:.1f} ms, {loom['elapsed_s']:.2f} s"
