@@ -34,6 +34,11 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+# Session 11's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+#   call 1: defaults (8B and SmolLM2 batch 1: last measured in session 4, 224.1 / 1,140.6
+#           tok/s against 220 / 500; decode kernels, graphs, sampling and overlap have changed
+#           since), then wl8b and wl8b --kv-cache-dtype fp8_e4m3 once more (session 10 call 4:
+#           12,398 / 13,522 tok/s) and smol256
 # Session 10, call 4: wl8b fp8 and bf16, each with the thread and the process engine backend
 #   (chained steps evict cached pages for room; batch outputs consumed as they arrive)
 # Session 10, call 3: quick10 (prefill overlap, FlashInfer plan events, decode programs
