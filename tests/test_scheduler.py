@@ -158,6 +158,31 @@ def test_batch_catches_each_stop_string_as_it_comes(engine, prompts_ids):
     _assert_balanced(engine)
 
 
+def test_a_scheduler_crash_ends_every_request_of_a_batch(prompts_ids, monkeypatch):
+    """The scheduler loop dies mid-batch: every request of a batch waiting on its shared queue
+    ends with an abort that names the error (none is left waiting), and the engine then
+    refuses new work with the same error."""
+    from loom.scheduler.scheduler import Scheduler
+
+    real, calls = Scheduler.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("boom")
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "step", step)
+    with loom.Engine(max_total_tokens=4096) as e:
+        outs = e.generate(input_ids=prompts_ids[:4], sampling_params=PARAMS)
+        for o in outs:
+            assert o["meta_info"]["finish_reason"]["type"] == "abort"
+            assert "boom" in o["meta_info"]["error"]
+            assert len(o["output_ids"]) < PARAMS["max_new_tokens"]
+        with pytest.raises(RuntimeError, match="boom"):
+            e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS)
+
+
 def test_stream_holds_back_a_stop_string_spanning_tokens(engine, prompts_ids):
     # "... France is Paris.": the stop "ce is" starts inside the token " France", so the stream
     # must hold "ce" back until it knows whether the stop string completes.

@@ -47,6 +47,8 @@ class _ReqState:
     finish_time: float | None = None
     emitted: int = 0  # characters of the detokenized text already handed to the caller
     logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
+    # the queue is a batch's (``Engine._wait_all``): a step's outputs for it arrive as one list
+    shared: bool = False
 
 
 class Engine:
@@ -161,6 +163,10 @@ class Engine:
     def _on_batch(self, batch: SchedulerBatchOut) -> None:
         self.load = batch.stats
         now = time.monotonic()
+        # a batch's shared queue gets the step's outputs as one list: one put and one wake-up
+        # of the waiting caller a step, not one per request (each a turn of the interpreter
+        # lock taken from this thread when it is the scheduler's)
+        grouped: dict[int, tuple[queue.Queue, list[ReqOutput]]] = {}
         for out in batch.outputs:
             with self._states_lock:
                 st = self._states.get(out.rid)
@@ -174,7 +180,12 @@ class Engine:
                     st.last_token_time = now
                 if out.finished_reason is not None:
                     st.finish_time = now
-                self._put(st, out)
+                if st.shared:
+                    grouped.setdefault(id(st.outputs), (st.outputs, []))[1].append(out)
+                else:
+                    self._put(st, out)
+        for q, outs in grouped.values():
+            q.put(outs)
         if self.metrics is not None:
             self.metrics.observe_load(batch.stats)
 
@@ -301,7 +312,8 @@ class Engine:
         logprob: tuple[bool, int, int] = (False, 0, -1),
         outputs: queue.Queue | None = None,
     ) -> _ReqState:
-        """``outputs``: a queue shared with other requests of a batch (``_wait_all``)."""
+        """``outputs``: a queue shared with other requests of a batch (``_wait_all``), which
+        receives lists of outputs."""
         self._check_alive()
         rid = rid or uuid.uuid4().hex
         detok = None
@@ -314,6 +326,7 @@ class Engine:
             outputs or (asyncio.Queue() if loop is not None else queue.Queue()),
             loop,
             detok,
+            shared=outputs is not None,
         )
         with self._states_lock:
             if rid in self._states:
@@ -463,15 +476,16 @@ class Engine:
         results: list[dict[str, Any] | None] = [None] * len(states)
         left = len(states)
         while left:
-            out = shared.get()
-            i = index[out.rid]
-            st = states[i]
-            if st.finished:  # (an engine failure's abort after the request's end)
-                continue
-            inc = self._consume(st, out)
-            if st.finished:
-                results[i] = self._final(st, inc)
-                left -= 1
+            got = shared.get()  # a step's outputs (a list), or one (an engine failure's abort)
+            for out in got if isinstance(got, list) else [got]:
+                i = index[out.rid]
+                st = states[i]
+                if st.finished:  # (an engine failure's abort after the request's end)
+                    continue
+                inc = self._consume(st, out)
+                if st.finished:
+                    results[i] = self._final(st, inc)
+                    left -= 1
         return results
 
     def _stream(self, st: _ReqState) -> _SyncStream:
