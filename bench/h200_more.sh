@@ -38,7 +38,11 @@
 #   call 1: defaults (8B and SmolLM2 batch 1: last measured in session 4, 224.1 / 1,140.6
 #           tok/s against 220 / 500; decode kernels, graphs, sampling and overlap have changed
 #           since), then wl8b and wl8b --kv-cache-dtype fp8_e4m3 once more (session 10 call 4:
-#           12,398 / 13,522 tok/s) and smol256
+#           12,398 / 13,522 tok/s) and smol256 (a batch's outputs now reach the caller as
+#           one list a step: SmolLM2's host-bound steps should gain; not measured yet)
+#   call 2: what overlap and CUDA graphs gain on today's code: wl8b --kv-cache-dtype fp8_e4m3
+#           with --disable-overlap-schedule, and smol256 with --disable-overlap-schedule and
+#           with --disable-cuda-graph (the on/off ratios in the tables are from session 2)
 # Session 10, call 4: wl8b fp8 and bf16, each with the thread and the process engine backend
 #   (chained steps evict cached pages for room; batch outputs consumed as they arrive)
 # Session 10, call 3: quick10 (prefill overlap, FlashInfer plan events, decode programs
