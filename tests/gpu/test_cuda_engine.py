@@ -624,7 +624,7 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
     from loom.scheduler import scheduler as sm
 
     chained = []
-    real_step, real_host = sm.Scheduler._step, sm._InflightDecode.host_results
+    real_step, real_host = sm.Scheduler._step, sm._InflightStep.host_results
 
     def step(self):
         if self._inflight is None or not self._can_chain():
@@ -656,7 +656,7 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
     for overlap in (False, True):
         if overlap:
             monkeypatch.setattr(sm.Scheduler, "_step", step)
-            monkeypatch.setattr(sm._InflightDecode, "host_results", host_results)
+            monkeypatch.setattr(sm._InflightStep, "host_results", host_results)
         kw = _cuda_kw(tiny_dir, "bfloat16", disable_overlap_schedule=not overlap)
         with loom.Engine(**kw) as e:
             runs[overlap] = [

@@ -323,7 +323,7 @@ class Engine:
             rid,
             len(input_ids),
             params,
-            outputs or (asyncio.Queue() if loop is not None else queue.Queue()),
+            outputs if outputs is not None else (asyncio.Queue() if loop else queue.Queue()),
             loop,
             detok,
             shared=outputs is not None,

@@ -101,8 +101,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _InflightDecode:
-    """A launched decode step whose sampled tokens may still be on their way to the host."""
+class _InflightStep:
+    """A launched decode (or prefill) step whose sampled tokens may still be on their way to
+    the host."""
 
     reqs: list[Req]
     tokens: torch.Tensor  # [bs] on the device
@@ -116,7 +117,7 @@ class _InflightDecode:
     @classmethod
     def start(
         cls, reqs: list[Req], out: _Sampled, begin=None, chained: bool = False
-    ) -> _InflightDecode:
+    ) -> _InflightStep:
         host = _Sampled(
             *(
                 None if t is None else _to_host(t)
@@ -259,10 +260,10 @@ class Scheduler:
                 self.tree = self._build_hicache(policy(**options))
             else:
                 self.tree = RadixCache(self._free_tree_slots, policy(**options), self.page_size)
-        self._inflight: _InflightDecode | None = None
+        self._inflight: _InflightStep | None = None
         # Overlap: a prefill step whose sampled first tokens are still on their way; the next
         # prefill launches before they are applied (its requests already count as running)
-        self._inflight_prefill: _InflightDecode | None = None
+        self._inflight_prefill: _InflightStep | None = None
         # CUDA: decode steps are timed on the device (SchedulerStats.time_device_*)
         self._time_device = runner.device.type == "cuda"
         self._decode_begin: torch.cuda.Event | None = None
@@ -575,8 +576,7 @@ class Scheduler:
         batch (an extend of one token over their cached KV) instead of waiting for it, which
         keeps inter-token latency flat while long prompts prefill. Skipped when the pool could
         not give every running request its next slot without evicting or retracting."""
-        need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
-        if need > self.allocator.num_free:
+        if self._decode_pages_needed() > self.allocator.num_free:
             return []
         items = []
         for req in self.running:
@@ -749,7 +749,7 @@ class Scheduler:
         """Empty the prefix cache; only when idle (running requests may hold matched paths)."""
         if self.tree is None:
             return True
-        if self.running or self.waiting or self.chunked_req or self.has_work:
+        if self.has_work:
             return False
         self.tree.flush()
         return True
@@ -988,7 +988,7 @@ class Scheduler:
         if not done:
             return []
         done_reqs = [reqs[i] for i in done]
-        sampled = _InflightDecode.start(done_reqs, self._sample_device(logits[done], done_reqs))
+        sampled = _InflightStep.start(done_reqs, self._sample_device(logits[done], done_reqs))
         new = [reqs[i] for i in done if not items[i].decode]
         if defer:
             self.running += new
@@ -998,7 +998,7 @@ class Scheduler:
         self.running += [r for r in new if not r.is_finished]
         return outputs
 
-    def _resolve_prefill(self, sampled: _InflightDecode) -> list[ReqOutput]:
+    def _resolve_prefill(self, sampled: _InflightStep) -> list[ReqOutput]:
         """Wait for a prefill step's first tokens and apply them (requests aborted meanwhile
         are skipped)."""
         tokens, lps = sampled.host_results(self.stats)
@@ -1012,7 +1012,7 @@ class Scheduler:
 
     # ---- decode ---------------------------------------------------------------------------
 
-    def _launch_decode(self, chained: bool) -> _InflightDecode:
+    def _launch_decode(self, chained: bool) -> _InflightStep:
         """Launch one decode step over ``running`` (room ensured). ``chained``: the previous
         step is still in flight and its sampled tokens, still on the device, are the inputs."""
         logits, reqs = self._forward_decode(chained)
@@ -1021,7 +1021,7 @@ class Scheduler:
     def _start_sampling(self, logits: torch.Tensor, reqs: list[Req], pending: int):
         t = time.perf_counter()
         begin, self._decode_begin = self._decode_begin, None
-        inflight = _InflightDecode.start(
+        inflight = _InflightStep.start(
             reqs,
             self._sample_device(logits, reqs, pending),
             begin,
@@ -1061,7 +1061,7 @@ class Scheduler:
         self.stats.time_forward_launch_s += time.perf_counter() - t
         return logits, reqs
 
-    def _resolve(self, inflight: _InflightDecode) -> list[ReqOutput]:
+    def _resolve(self, inflight: _InflightStep) -> list[ReqOutput]:
         """Wait for a launched decode step's tokens and apply them."""
         outputs = []
         t, waited = time.perf_counter(), self.stats.time_device_wait_s
@@ -1078,7 +1078,7 @@ class Scheduler:
         self.stats.time_resolve_s += dt
         return outputs
 
-    def _time_on_device(self, inflight: _InflightDecode) -> None:
+    def _time_on_device(self, inflight: _InflightStep) -> None:
         """The device's busy time for a resolved decode step and, if it was chained, the idle
         time before it (both events completed: the step's last one was waited for)."""
         self.stats.time_device_decode_s += inflight.begin.elapsed_time(inflight.event) / 1e3
@@ -1109,17 +1109,12 @@ class Scheduler:
         for req in self.running:
             if req.seq_len + 2 >= self.context_len:
                 return False
-        need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
-        if need > self.allocator.num_free:
-            # Finished requests' pages sit in the prefix cache: evict unused ones for the
-            # room rather than break the chain (the pages may still be read by the step in
-            # flight, but whatever reuses them is queued after it on the same stream). Only
-            # a retraction needs the unchained path.
-            if need > self.allocator.num_free + self._evictable_pages():
-                return False
-            self.tree.evict((need - self.allocator.num_free) * self.page_size)
-            if need > self.allocator.num_free:
-                return False
+        # Finished requests' pages sit in the prefix cache: evict unused ones for the room
+        # rather than break the chain (the pages may still be read by the step in flight, but
+        # whatever reuses them is queued after it on the same stream). Only a retraction needs
+        # the unchained path.
+        if not self._free_by_evicting(self._decode_pages_needed()):
+            return False
         return not self.waiting or self._nothing_admissible()  # (the costliest check last)
 
     def _nothing_admissible(self) -> bool:
@@ -1132,7 +1127,6 @@ class Scheduler:
         if len(self.running) >= self.max_running or self.req_to_token_pool.num_free == 0:
             return True
         room = self._admission_room()
-        rows = self._peak_rows(self.running)
         ps = self.page_size
         if self.policy.deterministic and not hasattr(self.tree, "match_and_load"):
             head = self.policy.order(list(self.waiting), self._prefix_view)[0]
@@ -1141,7 +1135,7 @@ class Scheduler:
                 return False
             shared = matched // ps
             cand = (head.seq_len, self._growth_left(head), shared)
-            return not self._fits_at_peak(rows, [], cand, shared)
+            return not self._fits_at_peak(self._peak_rows(self.running), [], cand, shared)
         # Otherwise a lower bound over the whole queue, whatever the prefix cache (or its host
         # tier) holds: each request's prompt matched up to its last token.
         if any(self._pages_to_admit(r, r.seq_len - 1) <= room for r in self.waiting):
@@ -1149,24 +1143,29 @@ class Scheduler:
         # and, for the peak bound, a candidate no larger than any waiting one
         own = min((r.seq_len - 1) % ps + 1 for r in self.waiting)
         growth = min(self._growth_left(r) for r in self.waiting)
-        return not self._fits_at_peak(rows, [], (own, growth, 0), 0)
+        return not self._fits_at_peak(self._peak_rows(self.running), [], (own, growth, 0), 0)
 
     def _host_before_sampling(self) -> bool:
         return any(
             r.grammar is not None or r.sampling_params.custom_logit_processor for r in self.running
         )
 
+    def _decode_pages_needed(self) -> int:
+        """New pages the running requests' next tokens take (those at a page boundary)."""
+        return sum(1 for r in self.running if r.kv_len % self.page_size == 0)
+
+    def _free_by_evicting(self, need: int) -> bool:
+        """Whether ``need`` pages are free, after evicting cached prefixes nobody is using if
+        they were not."""
+        short = need - self.allocator.num_free
+        if short > 0 and self._evictable_pages() > 0:
+            self.tree.evict(short * self.page_size)
+        return need <= self.allocator.num_free
+
     def _ensure_decode_room(self) -> list[ReqOutput]:
         outputs = []
-
-        def pages_needed() -> int:
-            return sum(1 for r in self.running if r.kv_len % self.page_size == 0)
-
-        while self.running and pages_needed() > self.allocator.num_free:
-            # First evict cached prefixes nobody is using; retract only if that is not enough.
-            if self._evictable_pages() > 0:
-                self.tree.evict((pages_needed() - self.allocator.num_free) * self.page_size)
-                continue
+        # First evict cached prefixes nobody is using; retract only if that is not enough.
+        while self.running and not self._free_by_evicting(self._decode_pages_needed()):
             if len(self.running) == 1:
                 req = self.running.pop()
                 logger.error("KV pool too small for request %s", req.rid)
