@@ -52,10 +52,49 @@ def hf_generate(model, prompt: list[int], n: int, device) -> list[int]:
 
 
 @torch.inference_mode()
-def hf_top1(model, prompt: list[int], out: list[int], device) -> list[int]:
+def hf_logits(model, prompt: list[int], out: list[int], device) -> torch.Tensor:
+    """HF's logits (in the model's dtype) before each token of ``out``, in one forward."""
     ids = torch.tensor([prompt + out], device=device)
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-    return logits.argmax(-1).tolist()
+    return model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+
+
+def hf_top1(model, prompt: list[int], out: list[int], device) -> list[int]:
+    return hf_logits(model, prompt, out, device).argmax(-1).tolist()
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype``'s values at ``x`` (one unit in the last place)."""
+    mant = torch.finfo(dtype).eps  # 2**-(mantissa bits)
+    return torch.exp2(torch.floor(torch.log2(x.abs().float().clamp_min(1e-30)))) * mant
+
+
+def flips(outs, half_logits, fp32_logits, dtype) -> dict:
+    """Each token where HF's half-precision argmax is not Loom's: how far Loom's token is below
+    HF's maximum in HF's own logits (in units of the dtype's spacing at that value: 0 is an exact
+    tie, broken by index), its rank there, and the fp32 margin between the two tokens. Tells
+    rounding noise (near-ties) from real disagreement."""
+    rows = []
+    for out, lh, l32 in zip(outs, half_logits, fp32_logits, strict=True):
+        for j, tok in enumerate(out):
+            top = int(lh[j].argmax())
+            if top == tok:
+                continue
+            mx = lh[j, top].float()
+            rows.append(
+                {
+                    "ulps_below_hf_max": float((mx - lh[j, tok].float()) / ulp(mx, dtype)),
+                    "rank_in_hf": int((lh[j] > lh[j, tok]).sum()) + 1,
+                    "fp32_margin": float(l32[j, tok] - l32[j, top]),
+                }
+            )
+    return {
+        "flips": len(rows),
+        "flips_tied_in_hf": sum(r["ulps_below_hf_max"] == 0 for r in rows),
+        "flips_within_one_ulp": sum(r["ulps_below_hf_max"] <= 1 for r in rows),
+        "flips_max_rank_in_hf": max((r["rank_in_hf"] for r in rows), default=0),
+        "flips_max_abs_fp32_margin": max((abs(r["fp32_margin"]) for r in rows), default=0.0),
+        "flips_loom_nearer_fp32": sum(r["fp32_margin"] > 0 for r in rows),
+    }
 
 
 def main() -> None:
@@ -92,13 +131,15 @@ def main() -> None:
         hf = build_hf_model(e)
         device = e.runner.device
     n = sum(len(o) for o in loom_out)
-    half_top1 = [hf_top1(hf, pr, o, device) for pr, o in zip(prompts, loom_out, strict=True)]
+    half_logits = [hf_logits(hf, pr, o, device) for pr, o in zip(prompts, loom_out, strict=True)]
+    half_top1 = [lg.argmax(-1).tolist() for lg in half_logits]
     # HF against itself: its own cached greedy decode, teacher-forced by its own full forward.
     # What any engine that decodes with a KV cache can reach on this criterion.
     hf_gen = [hf_generate(hf, pr, ns.new_tokens, device) for pr in prompts]
     hf_gen_top1 = [hf_top1(hf, pr, o, device) for pr, o in zip(prompts, hf_gen, strict=True)]
     hf32 = hf.float()
-    fp32_top1 = [hf_top1(hf32, pr, o, device) for pr, o in zip(prompts, loom_out, strict=True)]
+    fp32_logits = [hf_logits(hf32, pr, o, device) for pr, o in zip(prompts, loom_out, strict=True)]
+    fp32_top1 = [lg.argmax(-1).tolist() for lg in fp32_logits]
 
     def agree(a, b):
         return sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
@@ -131,6 +172,8 @@ def main() -> None:
         "answer_tokens": n_head,
         "answers_loom_vs_hf_half_top1": agree(head(loom_out), head(half_top1)) / n_head,
         "answers_hf_half_vs_hf_fp32_top1": agree(head(half_top1), head(fp32_top1)) / n_head,
+        # Loom's tokens that HF's half-precision argmax did not pick, looked at one by one
+        **flips(loom_out, half_logits, fp32_logits, getattr(torch, ns.dtype)),
         "seconds": time.perf_counter() - t0,
     }
     print(json.dumps(result))

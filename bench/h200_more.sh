@@ -34,6 +34,8 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+#   firstreq [MODEL]  bench/first_request.py: a fresh engine's first batch-1 requests, timed,
+#              with the Triton kernels each compiled (an empty Triton cache)
 # Session 11's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
 #   call 1: defaults (8B and SmolLM2 batch 1: last measured in session 4, 224.1 / 1,140.6
 #           tok/s against 220 / 500; decode kernels, graphs, sampling and overlap have changed
@@ -383,8 +385,15 @@ sampling8b2)
   ;;
 defaults)
   # the defaults as they now are (FlashInfer prefill + Triton decode on CUDA)
-  latency "8b-b1-default" --model $L8 --batch-size 1 --input-len 128 --output-len 256
-  offline "smol-b1-default" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1
+  latency "8b-b1-default" --model $L8 --batch-size 1 --input-len 128 --output-len 256 "${@:3}"
+  offline "smol-b1-default" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1 "${@:3}"
+  ;;
+firstreq)
+  # what a fresh engine's first batch-1 requests pay after the start-up warm-up, with an empty
+  # Triton cache (a fresh machine): per request, its time and the kernels compiled inside it
+  tc=/tmp/tc-first-$RANDOM && rm -rf $tc
+  TRITON_CACHE_DIR=$tc $py bench/first_request.py --model "${3:-$SM}" --result-file "$out/results.jsonl" 2>&1 |
+    grep "^request" | tee -a "$log"
   ;;
 wlsplits)
   # Triton decode at scale with fewer KV splits (the default splits 8 ways above batch 4)
@@ -397,7 +406,7 @@ wl8bfi)
   offline "8b-1000-random-fidecode" --model $L8 --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --decode-attention-backend flashinfer
   ;;
 smol256)
-  offline "smol-256-random" --model $SM --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977
+  offline "smol-256-random" --model $SM --num-prompts 256 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 "${@:3}"
   ;;
 structuredx)
   # SmolLM2, xgrammar only (the default backend): host-bound steps, the fused bitmask's case
