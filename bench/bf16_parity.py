@@ -21,6 +21,7 @@ import torch
 
 import loom
 from loom.bench.offline import build_hf_model
+from loom.bench.parity import flips, hf_logits, summarise_flips
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -51,50 +52,8 @@ def hf_generate(model, prompt: list[int], n: int, device) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@torch.inference_mode()
-def hf_logits(model, prompt: list[int], out: list[int], device) -> torch.Tensor:
-    """HF's logits (in the model's dtype) before each token of ``out``, in one forward."""
-    ids = torch.tensor([prompt + out], device=device)
-    return model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-
-
 def hf_top1(model, prompt: list[int], out: list[int], device) -> list[int]:
     return hf_logits(model, prompt, out, device).argmax(-1).tolist()
-
-
-def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of ``dtype``'s values at ``x`` (one unit in the last place)."""
-    mant = torch.finfo(dtype).eps  # 2**-(mantissa bits)
-    return torch.exp2(torch.floor(torch.log2(x.abs().float().clamp_min(1e-30)))) * mant
-
-
-def flips(outs, half_logits, fp32_logits, dtype) -> dict:
-    """Each token where HF's half-precision argmax is not Loom's: how far Loom's token is below
-    HF's maximum in HF's own logits (in units of the dtype's spacing at that value: 0 is an exact
-    tie, broken by index), its rank there, and the fp32 margin between the two tokens. Tells
-    rounding noise (near-ties) from real disagreement."""
-    rows = []
-    for out, lh, l32 in zip(outs, half_logits, fp32_logits, strict=True):
-        for j, tok in enumerate(out):
-            top = int(lh[j].argmax())
-            if top == tok:
-                continue
-            mx = lh[j, top].float()
-            rows.append(
-                {
-                    "ulps_below_hf_max": float((mx - lh[j, tok].float()) / ulp(mx, dtype)),
-                    "rank_in_hf": int((lh[j] > lh[j, tok]).sum()) + 1,
-                    "fp32_margin": float(l32[j, tok] - l32[j, top]),
-                }
-            )
-    return {
-        "flips": len(rows),
-        "flips_tied_in_hf": sum(r["ulps_below_hf_max"] == 0 for r in rows),
-        "flips_within_one_ulp": sum(r["ulps_below_hf_max"] <= 1 for r in rows),
-        "flips_max_rank_in_hf": max((r["rank_in_hf"] for r in rows), default=0),
-        "flips_max_abs_fp32_margin": max((abs(r["fp32_margin"]) for r in rows), default=0.0),
-        "flips_loom_nearer_fp32": sum(r["fp32_margin"] > 0 for r in rows),
-    }
 
 
 def main() -> None:
@@ -173,7 +132,7 @@ def main() -> None:
         "answers_loom_vs_hf_half_top1": agree(head(loom_out), head(half_top1)) / n_head,
         "answers_hf_half_vs_hf_fp32_top1": agree(head(half_top1), head(fp32_top1)) / n_head,
         # Loom's tokens that HF's half-precision argmax did not pick, looked at one by one
-        **flips(loom_out, half_logits, fp32_logits, getattr(torch, ns.dtype)),
+        **summarise_flips(flips(loom_out, half_logits, fp32_logits, getattr(torch, ns.dtype))),
         "seconds": time.perf_counter() - t0,
     }
     print(json.dumps(result))
