@@ -417,7 +417,7 @@ def test_admits_every_request_whose_peak_fits_and_never_retracts(prompts_ids, mo
 def test_startup_warmup_leaves_a_clean_engine(prompts_ids, reference, monkeypatch):
     """The GPU's start-up warm-up (forced here on CPU): throwaway requests through each
     sampling path (argmax, temperature with and without top-p, penalties with logit bias,
-    min_new_tokens, a seeded row) and prompts of 16, 21 and 1 tokens, all finishing; then the
+    min_new_tokens, a seeded row) and prompts of 16, 21, 1 and 69 tokens, all finishing; then the
     engine starts clean (no cached prefix, every page free, counters at zero) and its first
     request gives the reference output."""
     import loom.engine.backends as backends
@@ -433,7 +433,7 @@ def test_startup_warmup_leaves_a_clean_engine(prompts_ids, reference, monkeypatc
     monkeypatch.setattr(backends, "_wants_warmup", lambda runner, args: True)
     monkeypatch.setattr(Scheduler, "add_request", add)
     with loom.Engine(max_total_tokens=4096) as e:
-        assert len(rids) == 2 * (2 + len(Scheduler._WARMUP_ROUNDS))
+        assert len(rids) == 2 * (3 + len(Scheduler._WARMUP_ROUNDS))
         assert all(r.startswith("loom-warmup-") for r in rids)
         sched = e.scheduler
         assert sched.stats.num_prefill_batches == 0 and sched.stats.num_generated_tokens == 0

@@ -171,12 +171,16 @@ def add_rmsnorm(
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# From this many tokens a rotary program takes a group of heads (another compiled variant)
+ROTARY_GROUPED_FROM = 64
+
+
 def rotary_heads_per_program(num_tokens: int, num_q: int, num_k: int) -> int:
     """Heads per rotary program: 1 for few tokens (decode: parallelism across heads); for 64 or
     more tokens the largest divisor of both head counts up to 8 (Llama-3-8B: 8, i.e. 5 programs
     a token instead of 40; on the H200 the one-head programs took 205 us a layer for an
     8,192-token prefill, ~4x the time its bytes need)."""
-    return 1 if num_tokens < 64 else _head_group(num_q, num_k)
+    return 1 if num_tokens < ROTARY_GROUPED_FROM else _head_group(num_q, num_k)
 
 
 @functools.cache

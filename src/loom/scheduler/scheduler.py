@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom import plugins
+from loom.layers.fused_ops import ROTARY_GROUPED_FROM
 from loom.mem_cache.radix_cache import RadixCache
 from loom.sampling.logits_processor import TokenHistory
 from loom.sampling.penalties import PenaltyState, apply_penalties
@@ -467,10 +468,13 @@ class Scheduler:
         Triton compiles its kernels now and not inside the first requests (on the H200 the
         first sampled requests paid 2-5 s; docs/benchmarks.md, session 8). Prompts of 16, 21
         and 1 tokens cover the three ways Triton specialises a token count (a multiple of 16,
-        neither, one); the rounds cover the sampling paths. Afterwards the prefix cache is
-        empty, every page is free and the counters start from zero."""
+        neither, one); one past the rotary kernel's switch to head groups covers its prefill
+        variant (a first 124-token request compiled it on the H200: +118 ms, session 11); the
+        rounds cover the sampling paths. Afterwards the prefix cache is empty, every page is
+        free and the counters start from zero."""
         vocab = self.runner.vocab_size
-        rounds = [(16, {"temperature": 0.0}), (1, {"temperature": 0.0})]
+        greedy = {"temperature": 0.0}
+        rounds = [(16, greedy), (1, greedy), (ROTARY_GROUPED_FROM + 5, greedy)]
         rounds += [(21, extra) for extra in self._WARMUP_ROUNDS]
         # without the prefix cache: nothing of the warm-up may reach a cache tier (the
         # hierarchical cache's storage persists across restarts)
