@@ -34,6 +34,7 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+#   hf64       Llama-3-8B, 64 x 128 / 256: Loom and HF generate() at batch 64 in one process
 #   firstreq [MODEL]  bench/first_request.py: a fresh engine's first batch-1 requests, timed,
 #              with the Triton kernels each compiled (an empty Triton cache)
 # Session 11's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
@@ -387,6 +388,10 @@ defaults)
   # the defaults as they now are (FlashInfer prefill + Triton decode on CUDA)
   latency "8b-b1-default" --model $L8 --batch-size 1 --input-len 128 --output-len 256 "${@:3}"
   offline "smol-b1-default" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1 "${@:3}"
+  ;;
+hf64)
+  # Loom against HF transformers generate() at batch 64 (Llama-3-8B shape, 64 x 128 / 256)
+  offline "8b-b64-vs-hf" --model $L8 --num-prompts 64 --input-len 128 --output-len 256 --compare-hf --hf-batch-size 64 --mem-fraction-static 0.5
   ;;
 firstreq)
   # what a fresh engine's first batch-1 requests pay after the start-up warm-up, with an empty
