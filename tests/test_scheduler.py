@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 import loom
 from tests.conftest import CHAT_PROMPTS, chat_ids
@@ -155,6 +156,45 @@ def test_batch_catches_each_stop_string_as_it_comes(engine, prompts_ids):
     assert len(outs[0]["output_ids"]) == 80
     # the stopped request ran a few tokens past its stop (steps in flight), not ~80 more
     assert generated < 80 + 20
+    _assert_balanced(engine)
+
+
+def test_a_batch_reaches_the_scheduler_in_one_message(engine, prompts_ids, monkeypatch):
+    """A batch's requests (n > 1 samples included) are sent together, so they are all
+    scheduled in the same step whatever the threads' timing: one prefill batch here (sent one
+    by one, the scheduler could start on the first few alone, and the batch's grouping, hence
+    its kernels' shapes and bf16 rounding, varied between runs: seen on the H200)."""
+    sent = []
+    real = engine.backend.send
+    monkeypatch.setattr(engine.backend, "send", lambda m: (sent.append(m), real(m))[1])
+    # prompts with no common prefix (shared prefixes within a batch wait a step for the
+    # first one's KV)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 40000, (12 + i,), generator=g).tolist() for i in range(6)]
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    before = engine.scheduler.stats.num_prefill_batches
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert all(len(o["output_ids"]) == 4 for o in outs)
+    assert [(kind, len(reqs)) for kind, reqs in sent] == [("add", 6)]
+    assert engine.scheduler.stats.num_prefill_batches - before == 1
+    # n > 1 samples of a prompt travel with the rest of their batch
+    sent.clear()
+    sampled = {**params, "n": 3, "temperature": 0.8, "seed": 1}
+    outs = engine.generate(input_ids=prompts[:2], sampling_params=[params, sampled])
+    assert len(outs) == 4
+    assert [(kind, len(reqs)) for kind, reqs in sent] == [("add", 4)]
+    _assert_balanced(engine)
+
+
+def test_a_batch_that_fails_to_submit_sends_nothing(engine, prompts_ids, monkeypatch):
+    """A batch whose submission fails part way (here a duplicate request id) sends none of its
+    requests and leaves no state behind."""
+    sent = []
+    real = engine.backend.send
+    monkeypatch.setattr(engine.backend, "send", lambda m: (sent.append(m), real(m))[1])
+    with pytest.raises(ValueError, match="duplicate request id"):
+        engine.generate(input_ids=prompts_ids[:2], sampling_params=PARAMS, rid=["dup", "dup"])
+    assert sent == [] and not engine._states
     _assert_balanced(engine)
 
 

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,9 +311,11 @@ class Engine:
         extra_key: str | None = None,
         logprob: tuple[bool, int, int] = (False, 0, -1),
         outputs: queue.Queue | None = None,
+        batch: list[Req] | None = None,
     ) -> _ReqState:
         """``outputs``: a queue shared with other requests of a batch (``_wait_all``), which
-        receives lists of outputs."""
+        receives lists of outputs. ``batch``: collect the request there for ``_send`` instead
+        of sending it now."""
         self._check_alive()
         rid = rid or uuid.uuid4().hex
         detok = None
@@ -338,10 +340,37 @@ class Engine:
             st.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
             if req.logprob_start_len >= 0:
                 st.logprobs["input_token_logprobs"] = []
-        self.backend.send(("add", req))
+        if batch is None:
+            self._send([req])
+        else:
+            batch.append(req)
         return st
 
-    def _submit_n(self, ids, params, rid, priority, extra_key, lp, outputs=None) -> list[_ReqState]:
+    def _send(self, reqs: list[Req]) -> None:
+        """Hand requests to the scheduler in one message: a batch's requests all reach the same
+        scheduling step (sent one by one, the scheduler could start on the first few before
+        the rest arrived, and a batch's grouping, so its kernels' shapes and rounding, would
+        depend on thread timing)."""
+        if reqs:
+            self.backend.send(("add", reqs))
+
+    def _submit_batch(self, submit: Callable[[list[Req]], list[_ReqState]]) -> list[_ReqState]:
+        """Run ``submit`` (which calls ``_submit`` with its ``batch`` list) and send what it
+        collected as one message; if it fails part way, forget the states it registered."""
+        reqs: list[Req] = []
+        try:
+            states = submit(reqs)
+        except BaseException:
+            with self._states_lock:
+                for req in reqs:
+                    self._states.pop(req.rid, None)
+            raise
+        self._send(reqs)
+        return states
+
+    def _submit_n(
+        self, ids, params, rid, priority, extra_key, lp, outputs=None, batch=None
+    ) -> list[_ReqState]:
         """``n`` samples of one prompt: n requests (rids ``{rid}-{i}``), each with its own
         seed stream when seeded. The scheduler prefills the shared prompt once: identical
         prompts admitted together wait one step for the first one's KV (radix cache)."""
@@ -355,7 +384,14 @@ class Engine:
             r = f"{rid}-{i}" if rid else None
             states.append(
                 self._submit(
-                    ids, p, r, priority=priority, extra_key=extra_key, logprob=lp, outputs=outputs
+                    ids,
+                    p,
+                    r,
+                    priority=priority,
+                    extra_key=extra_key,
+                    logprob=lp,
+                    outputs=outputs,
+                    batch=batch,
                 )
             )
         return states
@@ -525,7 +561,9 @@ class Engine:
                 if stream:
                     raise ValueError("stream=True takes n=1")
                 shared: queue.Queue = queue.Queue()
-                states = self._submit_n(ids, params, rid, priority, extra_key, lp, shared)
+                states = self._submit_batch(
+                    lambda b: self._submit_n(ids, params, rid, priority, extra_key, lp, shared, b)
+                )
                 return self._wait_all(states, shared)
             st = self._submit(ids, params, rid, priority=priority, extra_key=extra_key, logprob=lp)
             return self._stream(st) if stream else self._wait(st)
@@ -538,18 +576,29 @@ class Engine:
             raise ValueError("priority and extra_key lists must match the number of prompts")
         for pr, k in zip(prios, keys, strict=True):
             _check_options(pr, k)
-        states = []
         shared = queue.Queue()
-        for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True):
-            if params.n > 1:
-                states += self._submit_n(ids, params, r, pr, k, lp, shared)
-            else:
-                states.append(
-                    self._submit(
-                        ids, params, r, priority=pr, extra_key=k, logprob=lp, outputs=shared
+
+        def submit(reqs: list[Req]) -> list[_ReqState]:
+            states = []
+            for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True):
+                if params.n > 1:
+                    states += self._submit_n(ids, params, r, pr, k, lp, shared, reqs)
+                else:
+                    states.append(
+                        self._submit(
+                            ids,
+                            params,
+                            r,
+                            priority=pr,
+                            extra_key=k,
+                            logprob=lp,
+                            outputs=shared,
+                            batch=reqs,
+                        )
                     )
-                )
-        return self._wait_all(states, shared)
+            return states
+
+        return self._wait_all(self._submit_batch(submit), shared)
 
     def _as_batch(self, prompt, input_ids, sampling_params, rid):
         """Validate every item of a batch before submitting any; None for a single request."""

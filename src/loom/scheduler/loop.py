@@ -1,7 +1,8 @@
 """The scheduler event loop, shared by the in-process engine (a thread) and ``loom serve`` (a
 process of its own, fed over ZMQ).
 
-Messages in (tuples): ``("add", Req)``, ``("abort", rid)``, ``("flush_cache", None)``,
+Messages in (tuples): ``("add", [Req, ...])`` (a batch's requests arrive together, so one
+``generate`` call's requests are scheduled together whatever the threads' timing), ``("abort", rid)``, ``("flush_cache", None)``,
 ``("shutdown", None)``. Batches out: ``SchedulerBatchOut`` (the step's outputs plus load figures),
 emitted after every step that produced something and at least every ``stats_interval`` seconds.
 """
@@ -80,7 +81,7 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
         stop = False
         for kind, payload in poll(0.0 if sched.has_work else 0.05):
             if kind == "add":
-                outputs = sched.add_request(payload)
+                outputs = [out for req in payload for out in sched.add_request(req)]
                 if outputs:
                     emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
             elif kind == "abort":
