@@ -9,6 +9,7 @@ from loom import plugins
 from loom.testing import (
     check_attention_backend,
     check_logits_processor,
+    check_lora_eviction_policy,
     check_radix_eviction_policy,
     check_schedule_policy,
 )
@@ -63,6 +64,11 @@ def test_schedule_policy_kit(name):
 @pytest.mark.parametrize("name", _available("radix_eviction_policy"))
 def test_radix_eviction_policy_kit(name):
     check_radix_eviction_policy(name)
+
+
+@pytest.mark.parametrize("name", _available("lora_eviction_policy"))
+def test_lora_eviction_policy_kit(name):
+    check_lora_eviction_policy(name)
 
 
 @pytest.mark.parametrize("name", _available("logits_processor"))

@@ -33,6 +33,11 @@ BUILTINS: dict[str, dict[str, str]] = {
         "priority": "loom.mem_cache.eviction:PriorityPolicy",
         "slru": "loom.mem_cache.eviction:SLRUPolicy",
     },
+    "lora_eviction_policy": {
+        "lru": "loom.lora.eviction:LRUPolicy",
+        "lfu": "loom.lora.eviction:LFUPolicy",
+        "fifo": "loom.lora.eviction:FIFOPolicy",
+    },
     "schedule_policy": {
         "fcfs": "loom.scheduler.policy:FCFSPolicy",
         "lpm": "loom.scheduler.policy:LPMPolicy",

@@ -126,6 +126,37 @@ class ServerArgs:
         default="lru", metadata=_arg("Radix-cache eviction policy.", family="radix_eviction_policy")
     )
 
+    # LoRA
+    enable_lora: bool = field(
+        default=False,
+        metadata=_arg("Serve LoRA adapters (implied by --lora-paths)."),
+    )
+    lora_paths: tuple[str, ...] | None = field(
+        default=None,
+        metadata=_arg(
+            "LoRA adapters to serve, as NAME=PATH or PATH (named after its folder): PEFT "
+            "checkpoints (adapter_config.json + adapter_model.safetensors). Requests pick one "
+            "by name (`lora_path`; OpenAI routes: model `BASE:NAME` or `NAME`)."
+        ),
+    )
+    max_loras_per_batch: int = field(
+        default=8,
+        metadata=_arg(
+            "Adapter slots on the device: at most this many different adapters run at once "
+            "(requests for another wait until a slot's adapter is idle)."
+        ),
+    )
+    max_lora_rank: int | None = field(
+        default=None,
+        metadata=_arg("Rank of the adapter slots (default: the largest rank of --lora-paths)."),
+    )
+    lora_eviction_policy: str = field(
+        default="lru",
+        metadata=_arg(
+            "Which idle adapter gives up its device slot first.", family="lora_eviction_policy"
+        ),
+    )
+
     slru_protected_threshold: int = field(
         default=2,
         metadata=_arg(
@@ -304,6 +335,19 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_paths, dict):
+            object.__setattr__(
+                self, "lora_paths", tuple(f"{k}={v}" for k, v in self.lora_paths.items())
+            )
+        elif isinstance(self.lora_paths, (list, str)):
+            paths = [self.lora_paths] if isinstance(self.lora_paths, str) else self.lora_paths
+            object.__setattr__(self, "lora_paths", tuple(paths))
+        if self.lora_paths and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -383,6 +427,8 @@ class ServerArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
             if f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif str(f.type).startswith("tuple"):
+                kwargs["nargs"] = "+"
             else:
                 kwargs["type"] = _parse_type(f.type)
                 choices = meta.get("choices")

@@ -75,6 +75,10 @@ class Engine:
             "radix_eviction_policy", args.radix_eviction_policy
         )
         plugins.resolve("schedule_policy", args.schedule_policy)
+        from loom.lora.adapter import parse_lora_paths
+
+        # adapter names requests may pick (``lora_path``); None: LoRA is off
+        self.lora_names = set(parse_lora_paths(args.lora_paths)) if args.enable_lora else None
         self.model_path = resolve_model_path(args.model)
         self.loader = plugins.resolve("model_loader", args.load_format)()
         self.hf_config = self.loader.load_hf_config(self.model_path)
@@ -312,6 +316,7 @@ class Engine:
         logprob: tuple[bool, int, int] = (False, 0, -1),
         outputs: queue.Queue | None = None,
         batch: list[Req] | None = None,
+        lora: str | None = None,
     ) -> _ReqState:
         """``outputs``: a queue shared with other requests of a batch (``_wait_all``), which
         receives lists of outputs. ``batch``: collect the request there for ``_send`` instead
@@ -334,7 +339,9 @@ class Engine:
             if rid in self._states:
                 raise ValueError(f"duplicate request id {rid!r}")
             self._states[rid] = st
-        req = Req(rid, input_ids, params, priority=priority or 0, extra_key=extra_key)
+        req = Req(
+            rid, input_ids, params, priority=priority or 0, extra_key=extra_key, lora_name=lora
+        )
         req.return_logprob, req.top_logprobs_num, req.logprob_start_len = logprob
         if req.return_logprob:
             st.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
@@ -369,7 +376,7 @@ class Engine:
         return states
 
     def _submit_n(
-        self, ids, params, rid, priority, extra_key, lp, outputs=None, batch=None
+        self, ids, params, rid, priority, extra_key, lp, outputs=None, batch=None, lora=None
     ) -> list[_ReqState]:
         """``n`` samples of one prompt: n requests (rids ``{rid}-{i}``), each with its own
         seed stream when seeded. The scheduler prefills the shared prompt once: identical
@@ -392,6 +399,7 @@ class Engine:
                     logprob=lp,
                     outputs=outputs,
                     batch=batch,
+                    lora=lora,
                 )
             )
         return states
@@ -541,6 +549,7 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a list (a list of dicts, in order).
 
@@ -550,39 +559,55 @@ class Engine:
         ``priority`` (higher is scheduled first under ``--schedule-policy priority`` and kept
         longer by ``--radix-eviction-policy priority``) and ``extra_key`` (a prefix-cache
         namespace such as a ``cache_salt``: requests with different keys share no cached KV)
-        take one value or, for a batch, one per prompt.
+        take one value or, for a batch, one per prompt; so does ``lora_path``, the name of a
+        LoRA adapter from ``--lora-paths`` (None: the base model).
         """
         lp = _logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
         batch = self._as_batch(prompt, input_ids, sampling_params, rid)
         if batch is None:
             ids, params = self._prepare(prompt, input_ids, sampling_params)
             _check_options(priority, extra_key)
+            self._check_lora(lora_path)
             if params.n > 1:
                 if stream:
                     raise ValueError("stream=True takes n=1")
                 shared: queue.Queue = queue.Queue()
                 states = self._submit_batch(
-                    lambda b: self._submit_n(ids, params, rid, priority, extra_key, lp, shared, b)
+                    lambda b: self._submit_n(
+                        ids, params, rid, priority, extra_key, lp, shared, b, lora_path
+                    )
                 )
                 return self._wait_all(states, shared)
-            st = self._submit(ids, params, rid, priority=priority, extra_key=extra_key, logprob=lp)
+            st = self._submit(
+                ids,
+                params,
+                rid,
+                priority=priority,
+                extra_key=extra_key,
+                logprob=lp,
+                lora=lora_path,
+            )
             return self._stream(st) if stream else self._wait(st)
         if stream:
             raise ValueError("stream=True takes a single prompt")
         n = len(batch)
         prios = priority if isinstance(priority, list) else [priority] * n
         keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
-        if len(prios) != n or len(keys) != n:
-            raise ValueError("priority and extra_key lists must match the number of prompts")
-        for pr, k in zip(prios, keys, strict=True):
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
+        if len(prios) != n or len(keys) != n or len(loras) != n:
+            raise ValueError(
+                "priority, extra_key and lora_path lists must match the number of prompts"
+            )
+        for pr, k, lo in zip(prios, keys, loras, strict=True):
             _check_options(pr, k)
+            self._check_lora(lo)
         shared = queue.Queue()
 
         def submit(reqs: list[Req]) -> list[_ReqState]:
             states = []
-            for (ids, params, r), pr, k in zip(batch, prios, keys, strict=True):
+            for (ids, params, r), pr, k, lo in zip(batch, prios, keys, loras, strict=True):
                 if params.n > 1:
-                    states += self._submit_n(ids, params, r, pr, k, lp, shared, reqs)
+                    states += self._submit_n(ids, params, r, pr, k, lp, shared, reqs, lo)
                 else:
                     states.append(
                         self._submit(
@@ -594,11 +619,27 @@ class Engine:
                             logprob=lp,
                             outputs=shared,
                             batch=reqs,
+                            lora=lo,
                         )
                     )
             return states
 
         return self._wait_all(self._submit_batch(submit), shared)
+
+    def _check_lora(self, name: Any) -> None:
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise ValueError(f"lora_path must be an adapter name (a string), got {name!r}")
+        if self.lora_names is None:
+            raise ValueError(
+                f"LoRA adapter {name!r} requested, but this server has no adapters "
+                "(start it with --lora-paths NAME=PATH)"
+            )
+        if name not in self.lora_names:
+            raise ValueError(
+                f"unknown LoRA adapter {name!r}; loaded: {', '.join(sorted(self.lora_names))}"
+            )
 
     def _as_batch(self, prompt, input_ids, sampling_params, rid):
         """Validate every item of a batch before submitting any; None for a single request."""
@@ -633,12 +674,14 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        lora_path: str | None = None,
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """Like ``generate`` for one prompt (n=1); ``stream=True`` returns an async iterator of
         increments (``text`` is the new text, ``output_ids`` the new ids)."""
         lp = _logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
         ids, params = self._prepare(prompt, input_ids, sampling_params)
         _check_options(priority, extra_key)
+        self._check_lora(lora_path)
         if params.n > 1:
             raise ValueError("n > 1: submit n requests (the OpenAI routes do)")
         st = self._submit(
@@ -649,6 +692,7 @@ class Engine:
             priority=priority,
             extra_key=extra_key,
             logprob=lp,
+            lora=lora_path,
         )
         if stream:
             return _AsyncStream(self, st)

@@ -105,6 +105,11 @@ class ModelRunner:
         )
         self.vocab_size = hf_config.vocab_size
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
+        self.lora_manager = None
+        if args.enable_lora:
+            from loom.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, args, self.device, self.dtype)
         self._init_memory()
         self._init_attention_backend()
         self.cuda_graph_runner = None
@@ -288,7 +293,20 @@ class ModelRunner:
         )
         if logit_indices is not None:
             batch.logit_indices = self._tensor(logit_indices)
+        if self.lora_manager is not None:
+            return self._run_lora(
+                batch,
+                [r.lora_slot for r, n in zip(reqs, extend_lens, strict=True) for _ in range(n)],
+            )
         return self._run(batch)
+
+    def _run_lora(self, batch: ForwardBatch, token_slots: list[int]) -> torch.Tensor:
+        """A forward with each token's LoRA adapter slot (-1: none) applied."""
+        self.lora_manager.set_batch(token_slots)
+        try:
+            return self._run(batch)
+        finally:
+            self.lora_manager.clear_batch()
 
     @torch.inference_mode()
     def forward_decode(
@@ -319,7 +337,9 @@ class ModelRunner:
             ids = input_ids_dev
         self.req_to_token_pool.req_to_token[rows, pos] = locs
         graphs = self.cuda_graph_runner
-        if graphs is not None and graphs.can_run(len(reqs)):
+        # the graphs hold the base model only: batches with an adapter run eagerly
+        lora_slots = [r.lora_slot for r in reqs] if self.lora_manager is not None else []
+        if graphs is not None and graphs.can_run(len(reqs)) and max(lora_slots, default=-1) < 0:
             return graphs.replay(packed, input_ids_dev, seq_lens)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
@@ -331,4 +351,6 @@ class ModelRunner:
             seq_lens=lens,
             seq_lens_cpu=seq_lens,
         )
+        if lora_slots:
+            return self._run_lora(batch, lora_slots)
         return self._run(batch)

@@ -17,12 +17,18 @@ class Req:
         sampling_params: SamplingParams,
         priority: int = 0,
         extra_key: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.rid = rid
+        # LoRA adapter (by name; None: the base model) and its device slot while running (-1:
+        # none held). Its KV is the adapter's own: the scheduler puts the adapter's identity
+        # into the prefix-cache namespace (``LoRAManager.cache_namespace``).
+        self.lora_name = lora_name
+        self.lora_slot = -1
         # Scheduling priority (``--schedule-policy priority``; higher runs first) and the prefix
         # cache's eviction priority (``--radix-eviction-policy priority``; lower goes first).
         self.priority = priority
-        # Prefix-cache namespace (``cache_salt``, later a LoRA adapter): requests with different
+        # Prefix-cache namespace (``cache_salt``, and the LoRA adapter): requests with different
         # extra keys never share cached KV.
         self.extra_key = extra_key
         self.origin_input_ids = list(input_ids)

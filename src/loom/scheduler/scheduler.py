@@ -361,6 +361,19 @@ class Scheduler:
     # ---- intake ---------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> list[ReqOutput]:
+        if req.lora_name is not None:
+            lora = self.runner.lora_manager
+            if lora is None:
+                return [self._fail(req, "LoRA adapters are not enabled (--lora-paths)")]
+            if not lora.has(req.lora_name):
+                return [
+                    self._fail(
+                        req,
+                        f"unknown LoRA adapter {req.lora_name!r}; loaded: "
+                        f"{', '.join(lora.names) or 'none'}",
+                    )
+                ]
+            req.extra_key = lora.cache_namespace(req.lora_name, req.extra_key)
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
             return [self._output(req, [])]
@@ -640,6 +653,13 @@ class Scheduler:
             )
         return locs
 
+    def _acquire_lora(self, req: Req) -> bool:
+        lora = self.runner.lora_manager
+        if not lora.acquire(req.lora_name):
+            return False
+        req.lora_slot = lora.slot_of(req.lora_name)
+        return True
+
     def _release(self, req: Req, cache: bool = False) -> None:
         """Give back the request's KV. With ``cache`` (and a radix cache), its computed KV is
         inserted into the tree, which takes the pages it did not already hold; every other own
@@ -668,6 +688,9 @@ class Scheduler:
             self.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
+        if req.lora_slot >= 0:
+            self.runner.lora_manager.release(req.lora_name)
+            req.lora_slot = -1
 
     def _input_logprobs(self, items, wants, logits, last_rows) -> None:
         """Logprobs of prompt tokens from this chunk's logits: the logits at position q give
@@ -887,6 +910,8 @@ class Scheduler:
                 cand = (req.seq_len, self._growth_left(req), shared)
                 if not self._fits_at_peak(running_rows, [it.req for it in items], cand, shared):
                     break
+            if req.lora_name is not None and not self._acquire_lora(req):
+                continue  # every adapter slot is busy with other running adapters
             req.req_pool_idx = self.req_to_token_pool.alloc()
             evictable_before = self._evictable_pages()
             self._use_prefix(req, slots, node)

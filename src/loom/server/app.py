@@ -92,6 +92,7 @@ _GENERATE_FIELDS = {
     "rid",
     "priority",
     "extra_key",
+    "lora_path",
 }
 
 
@@ -173,20 +174,29 @@ def create_app(engine: Engine) -> FastAPI:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def check_model(name: str | None) -> None:
-        base, sep, adapter = (name or "").partition(":")
-        if sep and base in (model_name, args.model):
-            raise bad(
-                f"LoRA adapter {adapter!r} requested, but LoRA serving is not supported yet",
-                "model",
-            )
-        if name is not None and name not in (model_name, args.model):
+    adapters = sorted(engine.lora_names or ())
+
+    def check_model(req: ParsedRequest) -> None:
+        """The model a request names: the served model, one of its LoRA adapters (``NAME`` or
+        ``BASE:NAME``, vLLM's and SGLang's spellings), or a 404. An adapter becomes the
+        request's ``lora``; ``lora_path`` may name it too, but not a different one."""
+        name = req.model
+        if name is None or name in (model_name, args.model):
+            return
+        base, sep, adapter = name.partition(":")
+        if not sep or base not in (model_name, args.model):
+            adapter = name
+        if adapter not in adapters:
+            known = ", ".join(repr(n) for n in [model_name, *adapters])
             raise APIError(
                 404,
-                f"model {name!r} not found; this server serves {model_name!r}",
+                f"model {name!r} not found; this server serves {known}",
                 "model",
                 code="model_not_found",
             )
+        if req.lora is not None and req.lora != adapter:
+            raise bad(f"model names adapter {adapter!r} but lora_path is {req.lora!r}", "model")
+        req.lora = adapter
 
     def admit(count: int) -> None:
         if engine._loop_error is not None:
@@ -217,6 +227,7 @@ def create_app(engine: Engine) -> FastAPI:
                 stream=True,
                 priority=req.priority if req else None,
                 extra_key=req.extra_key if req else None,
+                lora_path=req.lora if req else None,
                 return_logprob=logprobs,
                 top_logprobs_num=req.top_logprobs if req and req.logprobs else 0,
                 logprob_start_len=logprob_start_len,
@@ -315,14 +326,26 @@ def create_app(engine: Engine) -> FastAPI:
                     "owned_by": "loom",
                     "root": args.model,
                     "max_model_len": engine.context_len,
-                }
+                },
+                *(
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "loom",
+                        "root": name,
+                        "parent": model_name,
+                        "max_model_len": engine.context_len,
+                    }
+                    for name in adapters
+                ),
             ],
         }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, messages = parse_chat(await _json_body(request))
-        check_model(req.model)
+        check_model(req)
         try:
             ids = engine.apply_chat_template(messages)
         except ValueError as e:
@@ -392,7 +415,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, prompts = parse_completion(await _json_body(request))
-        check_model(req.model)
+        check_model(req)
         k = req.best_of  # samples per prompt (>= n); the n best by mean logprob are returned
         admit(k * len(prompts))
         echo_lp = req.echo and req.logprobs
@@ -509,14 +532,22 @@ def create_app(engine: Engine) -> FastAPI:
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(items)
         per_item = {}
-        for key in ("rid", "priority", "extra_key"):
+        for key in ("rid", "priority", "extra_key", "lora_path"):
             v = body.get(key)
             per_item[key] = v if isinstance(v, list) else [v] * len(items)
             if len(per_item[key]) != len(items):
                 raise bad(f"{key} list must match the batch size", key)
         if len(params_list) != len(items):
             raise bad("sampling_params list must match the batch size", "sampling_params")
-        rids = list(zip(per_item["rid"], per_item["priority"], per_item["extra_key"], strict=True))
+        rids = list(
+            zip(
+                per_item["rid"],
+                per_item["priority"],
+                per_item["extra_key"],
+                per_item["lora_path"],
+                strict=True,
+            )
+        )
         stream = bool(body.get("stream", False))
         lp_kw = {
             k: body[k]
@@ -532,12 +563,12 @@ def create_app(engine: Engine) -> FastAPI:
                 batch = True
                 for i in range(n):
                     r = f"{meta[0]}-{i}" if meta[0] else None
-                    expanded.append((item, choice_params(sp, n, i), (r, meta[1], meta[2])))
+                    expanded.append((item, choice_params(sp, n, i), (r, *meta[1:])))
             else:
                 expanded.append((item, sp, meta))
         admit(len(expanded))
         streams = []
-        for (t, ids), sp, (r, prio, key) in expanded:
+        for (t, ids), sp, (r, prio, key, lora) in expanded:
             try:
                 streams.append(
                     await engine.async_generate(
@@ -548,6 +579,7 @@ def create_app(engine: Engine) -> FastAPI:
                         stream=True,
                         priority=prio,
                         extra_key=key,
+                        lora_path=lora,
                         **lp_kw,
                     )
                 )

@@ -53,7 +53,6 @@ _LATER = {
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
     "suffix": (None, ""),
-    "lora_path": (None,),
 }
 # Metadata that does not change generation.
 _METADATA = {"user", "metadata", "store", "service_tier", "stream_options", "rid"}
@@ -93,6 +92,7 @@ class ParsedRequest:
     top_logprobs: int = 0
     echo: bool = False  # completions: the prompt is returned before the completion
     best_of: int = 1  # completions: samples per prompt, the n best returned
+    lora: str | None = None  # a LoRA adapter's name (``lora_path``, or the model "BASE:NAME")
 
 
 def _constraints(body: dict[str, Any], sampling: dict[str, Any]) -> None:
@@ -163,6 +163,7 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
             "no_stop_trim",
             "priority",
             "cache_salt",
+            "lora_path",
             "response_format",
             "regex",
             "ebnf",
@@ -256,9 +257,14 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("cache_salt must be a non-empty string", "cache_salt")
-    return ParsedRequest(
+    lora = body.get("lora_path")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise bad("lora_path must be an adapter name (a non-empty string)", "lora_path")
+    req = ParsedRequest(
         model, n, stream, bool(opts.get("include_usage")), sampling, priority, salt, logprobs, top
     )
+    req.lora = lora
+    return req
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:

@@ -17,6 +17,7 @@ from loom.testing.kits import (
     check_grammar_backend,
     check_hicache_storage,
     check_logits_processor,
+    check_lora_eviction_policy,
     check_radix_eviction_policy,
     check_schedule_policy,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "check_grammar_backend",
     "check_hicache_storage",
     "check_logits_processor",
+    "check_lora_eviction_policy",
     "check_radix_eviction_policy",
     "check_schedule_policy",
 ]
