@@ -156,7 +156,8 @@ def test_prefill_logits_match_peft(lora_setup, peft_ref):
 def test_one_slot_serves_two_adapters_in_turn(lora_setup, peft_ref, policy):
     """With a single device slot, requests for two adapters cannot run together: the second
     adapter's requests wait until the first's are done, take the slot, and still give peft's
-    tokens. Base-model requests run alongside either."""
+    tokens. Base-model requests run alongside either, and a later request for the first adapter
+    does not pass the waiting one (a, then b, then a again: three loads into the slot)."""
     base, paths = lora_setup
     jobs = [(PROMPTS[0], "a"), (PROMPTS[1], "b"), (PROMPTS[2], None), (PROMPTS[1], "a")]
     with _engine(base, paths, max_loras_per_batch=1, lora_eviction_policy=policy) as e:
@@ -167,7 +168,7 @@ def test_one_slot_serves_two_adapters_in_turn(lora_setup, peft_ref, policy):
         )
         e.scheduler.check_kv_balance()
         lora = e.runner.lora_manager
-        assert lora.num_slot_loads >= 2 and not any(lora.refs.values())
+        assert lora.num_slot_loads == 3 and not any(lora.refs.values())
     for (p, lo), o in zip(jobs, outs, strict=True):
         assert o["output_ids"] == peft_ref(lo, p)[0], (p, lo)
 

@@ -878,6 +878,7 @@ class Scheduler:
         num_active = len(self.running) + len(items)
         admitted_prompts: set[int] = set()
         running_rows = None  # the running requests' rows for the peak bound, on first use
+        lora_blocked = False
         for req in ordered:
             if budget <= 0 or num_active >= self.max_running:
                 break
@@ -910,8 +911,12 @@ class Scheduler:
                 cand = (req.seq_len, self._growth_left(req), shared)
                 if not self._fits_at_peak(running_rows, [it.req for it in items], cand, shared):
                     break
-            if req.lora_name is not None and not self._acquire_lora(req):
-                continue  # every adapter slot is busy with other running adapters
+            if req.lora_name is not None and (lora_blocked or not self._acquire_lora(req)):
+                # Every adapter slot is busy with other running adapters. Base-model requests
+                # may pass it, adapter requests may not: the adapters holding the slots then
+                # drain, and this one gets a slot (no adapter starves behind a busy one).
+                lora_blocked = True
+                continue
             req.req_pool_idx = self.req_to_token_pool.alloc()
             evictable_before = self._evictable_pages()
             self._use_prefix(req, slots, node)
