@@ -223,6 +223,45 @@ def test_unsupported_adapters_fail_at_start_up(lora_setup, tmp_path):
         )
 
 
+def test_adapters_load_and_unload_while_serving(lora_setup, peft_ref):
+    """An engine started with --enable-lora and no adapters: an adapter loaded while serving
+    gives peft's tokens; loading a name twice, a missing path or a rank above the pool's is
+    refused by name; unloading is refused while a request uses the adapter, then works, after
+    which the name is unknown."""
+    base, paths = lora_setup
+    with loom.Engine(
+        model=base,
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        enable_lora=True,
+        max_lora_rank=4,
+    ) as e:
+        e.load_lora_adapter("a", paths["a"])
+        out = e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="a")
+        assert out["output_ids"] == peft_ref("a", PROMPTS[0])[0]
+        with pytest.raises(ValueError, match="'a' is already loaded"):
+            e.load_lora_adapter("a", paths["a"])
+        with pytest.raises(ValueError, match="no adapter_config.json"):
+            e.load_lora_adapter("x", paths["a"] + "-missing")
+        with pytest.raises(ValueError, match="rank 8, above --max-lora-rank 4"):
+            e.load_lora_adapter("b", paths["b"])
+        stream = e.generate(
+            input_ids=PROMPTS[1],
+            sampling_params={**GREEDY, "max_new_tokens": 200},
+            lora_path="a",
+            stream=True,
+        )
+        next(stream)  # running now
+        with pytest.raises(ValueError, match="'a' is in use by 1 request"):
+            e.unload_lora_adapter("a")
+        for _ in stream:
+            pass
+        e.unload_lora_adapter("a")
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+            e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="a")
+        e.scheduler.check_kv_balance()
+
+
 def test_server_routes_pick_adapters(lora_setup, peft_ref):
     """`loom serve --lora-paths`: /generate's `lora_path` and the OpenAI model "BASE:NAME" (or
     "NAME") pick an adapter, /v1/models lists them, and an unknown adapter is a 404 (OpenAI
@@ -280,5 +319,26 @@ def test_server_routes_pick_adapters(lora_setup, peft_ref):
             timeout=60,
         )
         assert r.status_code == 400 and "unknown LoRA adapter 'c'" in r.json()["error"]["message"]
+        # adapters loaded and unloaded while serving
+        r = httpx.post(
+            s.url + "/load_lora_adapter",
+            json={"lora_name": "c", "lora_path": paths["a"]},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == ["a", "b", "c"], r.text
+        r = httpx.post(
+            s.url + "/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "c"},
+            timeout=60,
+        )
+        assert r.json()["output_ids"] == peft_ref("a", PROMPTS[0])[0]
+        r = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == ["a", "b"], r.text
+        r = httpx.post(
+            s.url + "/load_lora_adapter",
+            json={"lora_name": "d", "lora_path": "/nonexistent"},
+            timeout=60,
+        )
+        assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
     finally:
         s.stop()

@@ -94,6 +94,7 @@ class Engine:
                 )
         self.eos_token_ids = self._eos_ids(tokenizer)
         self._states: dict[str, _ReqState] = {}
+        self._control: dict[str, queue.Queue] = {}  # replies to control messages, by id
         self._states_lock = threading.Lock()
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
@@ -174,6 +175,10 @@ class Engine:
         for out in batch.outputs:
             with self._states_lock:
                 st = self._states.get(out.rid)
+                control = self._control.get(out.rid)
+            if control is not None:  # the reply to a control message (_control_call)
+                control.put(out)
+                continue
             if st is not None:
                 if self.metrics is not None:
                     self.metrics.observe_output(st, out, now)
@@ -625,6 +630,48 @@ class Engine:
             return states
 
         return self._wait_all(self._submit_batch(submit), shared)
+
+    # ---- LoRA adapters while serving ------------------------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter from ``path`` under ``name``; requests may use it from then on.
+        Raises ValueError naming the problem (unknown path, unsupported adapter, a rank above
+        the pool's, a name in use)."""
+        if self.lora_names is None:
+            raise ValueError("LoRA is off: start the engine with --enable-lora or --lora-paths")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError("load_lora_adapter takes a non-empty lora_name and lora_path")
+        self._control_call("load_lora", name, path)
+        self.lora_names.add(name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter ``name``; refused while a request that uses it is queued or running."""
+        if self.lora_names is None:
+            raise ValueError("LoRA is off: start the engine with --enable-lora or --lora-paths")
+        self._control_call("unload_lora", name, None)
+        self.lora_names.discard(name)
+
+    def _control_call(self, op: str, *payload: Any) -> None:
+        """Send a control message to the scheduler and wait for its reply (a ReqOutput whose
+        ``error`` is set on failure)."""
+        self._check_alive()
+        rid = f"loom-control-{uuid.uuid4().hex}"
+        reply: queue.Queue = queue.Queue()
+        with self._states_lock:
+            self._control[rid] = reply
+        try:
+            self.backend.send((op, (rid, *payload)))
+            while True:
+                try:
+                    out = reply.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    self._check_alive()
+        finally:
+            with self._states_lock:
+                self._control.pop(rid, None)
+        if out.error is not None:
+            raise ValueError(out.error)
 
     def _check_lora(self, name: Any) -> None:
         if name is None:

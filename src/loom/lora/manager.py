@@ -150,6 +150,25 @@ class LoRAManager:
                     f"{b.shape[0]}x{a.shape[1]}, the model's is {outs[j]}x{n_in}"
                 )
 
+    def add(self, name: str, path: str) -> None:
+        """Register an adapter while serving (checked as at start-up; the pool's rank is
+        fixed, so a larger rank is refused)."""
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path)
+        self._check(adapter)
+        self.adapters[name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Forget an adapter no request holds, freeing its slot."""
+        if self.refs.get(name):
+            raise RuntimeError(f"LoRA adapter {name!r} is held by running requests")
+        del self.adapters[name]
+        self.refs.pop(name, None)
+        if name in self.slot_names:
+            self.slot_names[self.slot_names.index(name)] = None
+            self.policy.remove(name)
+
     def cache_namespace(self, name: str, extra_key: str | None) -> str:
         """The prefix-cache namespace of a request on adapter ``name``: the adapter's content
         digest (not its name: the hierarchical cache's storage outlives the process, and a name

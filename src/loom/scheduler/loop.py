@@ -2,7 +2,9 @@
 process of its own, fed over ZMQ).
 
 Messages in (tuples): ``("add", [Req, ...])`` (a batch's requests arrive together, so one
-``generate`` call's requests are scheduled together whatever the threads' timing), ``("abort", rid)``, ``("flush_cache", None)``,
+``generate`` call's requests are scheduled together whatever the threads' timing),
+``("load_lora", (id, name, path))`` and ``("unload_lora", (id, name, None))`` (answered by an
+output for ``id`` whose ``error`` says why it failed), ``("abort", rid)``, ``("flush_cache", None)``,
 ``("shutdown", None)``. Batches out: ``SchedulerBatchOut`` (the step's outputs plus load figures),
 emitted after every step that produced something and at least every ``stats_interval`` seconds.
 """
@@ -84,6 +86,19 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
                 outputs = [out for req in payload for out in sched.add_request(req)]
                 if outputs:
                     emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
+            elif kind in ("load_lora", "unload_lora"):
+                rid, name, path = payload
+                try:
+                    if kind == "load_lora":
+                        error = sched.load_lora(name, path)
+                    else:
+                        error = sched.unload_lora(name)
+                except Exception as e:  # noqa: BLE001 - a bad control message ends only itself
+                    logger.exception("%s %r failed", kind, name)
+                    error = f"{kind} {name!r} failed: {type(e).__name__}: {e}"
+                reason = {"type": "stop"} if error is None else {"type": "abort", "message": error}
+                out = ReqOutput(rid, [], 0, 0, 0, reason, error)
+                emit(SchedulerBatchOut([out], scheduler_stats(sched)))
             elif kind == "abort":
                 sched.abort(payload)
             elif kind == "flush_cache":

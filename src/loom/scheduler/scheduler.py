@@ -653,6 +653,38 @@ class Scheduler:
             )
         return locs
 
+    def load_lora(self, name: str, path: str) -> str | None:
+        """Load an adapter while serving; the error message, or None."""
+        lora = self.runner.lora_manager
+        if lora is None:
+            return "LoRA is off: start the engine with --enable-lora or --lora-paths"
+        try:
+            lora.add(name, path)
+        except (ValueError, OSError) as e:
+            return str(e)
+        return None
+
+    def unload_lora(self, name: str) -> str | None:
+        """Unload an adapter no queued or running request uses; the error message, or None."""
+        lora = self.runner.lora_manager
+        if lora is None:
+            return "LoRA is off: start the engine with --enable-lora or --lora-paths"
+        if not lora.has(name):
+            return f"unknown LoRA adapter {name!r}; loaded: {', '.join(lora.names) or 'none'}"
+        users = [
+            r.rid
+            for r in (*self.running, *self.waiting, *self.grammar_queue)
+            if r.lora_name == name
+        ]
+        if self.chunked_req is not None and self.chunked_req.lora_name == name:
+            users.append(self.chunked_req.rid)
+        if users:
+            return (
+                f"LoRA adapter {name!r} is in use by {len(users)} request(s); retry when they end"
+            )
+        lora.remove(name)
+        return None
+
     def _acquire_lora(self, req: Req) -> bool:
         lora = self.runner.lora_manager
         if not lora.acquire(req.lora_name):

@@ -174,7 +174,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    adapters = sorted(engine.lora_names or ())
+    def adapters() -> list[str]:
+        return sorted(engine.lora_names or ())
 
     def check_model(req: ParsedRequest) -> None:
         """The model a request names: the served model, one of its LoRA adapters (``NAME`` or
@@ -186,8 +187,8 @@ def create_app(engine: Engine) -> FastAPI:
         base, sep, adapter = name.partition(":")
         if not sep or base not in (model_name, args.model):
             adapter = name
-        if adapter not in adapters:
-            known = ", ".join(repr(n) for n in [model_name, *adapters])
+        if adapter not in adapters():
+            known = ", ".join(repr(n) for n in [model_name, *adapters()])
             raise APIError(
                 404,
                 f"model {name!r} not found; this server serves {known}",
@@ -337,7 +338,7 @@ def create_app(engine: Engine) -> FastAPI:
                         "parent": model_name,
                         "max_model_len": engine.context_len,
                     }
-                    for name in adapters
+                    for name in adapters()
                 ),
             ],
         }
@@ -658,6 +659,33 @@ def create_app(engine: Engine) -> FastAPI:
         return Response(
             "Cache flush requested (done when no request is running).\n", status_code=200
         )
+
+    @app.post("/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        for key in ("lora_name", "lora_path"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise bad(f"load_lora_adapter needs a non-empty string {key!r}", key)
+        try:
+            await asyncio.to_thread(engine.load_lora_adapter, body["lora_name"], body["lora_path"])
+        except ValueError as e:
+            raise _value_error(e) from e
+        return {"success": True, "loaded_adapters": adapters()}
+
+    @app.post("/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise bad('unload_lora_adapter needs {"lora_name": "..."}', "lora_name")
+        try:
+            await asyncio.to_thread(engine.unload_lora_adapter, body["lora_name"])
+        except ValueError as e:
+            raise _value_error(e) from e
+        return {"success": True, "loaded_adapters": adapters()}
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
