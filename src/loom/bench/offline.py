@@ -49,6 +49,15 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
         "that this process's handling of the outputs does not share its interpreter lock",
     )
     g.add_argument(
+        "--request-lora",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapters (from --lora-paths; 'none': the base model) given to the requests "
+        "in turn; the same requests first run on the base model alone in the same engine "
+        "(the prefix cache flushed between), and both rates are reported",
+    )
+    g.add_argument(
         "--sampling",
         choices=("greedy", "penalties"),
         default="greedy",
@@ -84,15 +93,29 @@ def sampling_preset(name: str, vocab: int) -> dict[str, Any]:
     }
 
 
-def run_loom(engine, reqs: list[tuple[list[int], int]], preset: str = "greedy") -> dict[str, Any]:
-    engine.generate(
-        input_ids=reqs[0][0][:8], sampling_params={"max_new_tokens": 4, "temperature": 0}
-    )  # warm-up
+def run_loom(
+    engine,
+    reqs: list[tuple[list[int], int]],
+    preset: str = "greedy",
+    loras: list[str | None] | None = None,
+) -> dict[str, Any]:
+    """One timed batch of ``reqs``; ``loras``: adapter names given to the requests in turn."""
+    lora_path = None
+    if loras:
+        lora_path = [loras[i % len(loras)] for i in range(len(reqs))]
+    for name in sorted(set(lora_path or [None]), key=str):  # warm-up, each adapter's slot too
+        engine.generate(
+            input_ids=reqs[0][0][:8],
+            sampling_params={"max_new_tokens": 4, "temperature": 0},
+            lora_path=name,
+        )
     extra = sampling_preset(preset, engine.vocab_size)
     params = [{"max_new_tokens": n, "ignore_eos": True, **extra} for _, n in reqs]
     before = dict(engine.get_server_info())
     start = time.perf_counter()
-    outs = engine.generate(input_ids=[ids for ids, _ in reqs], sampling_params=params)
+    outs = engine.generate(
+        input_ids=[ids for ids, _ in reqs], sampling_params=params, lora_path=lora_path
+    )
     elapsed = time.perf_counter() - start
     steps = step_profile(before, engine.get_server_info())
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -249,6 +272,8 @@ def run_hf(
 def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.engine.engine import Engine
 
+    if ns.compare_hf and ns.request_lora:
+        raise SystemExit("--compare-hf runs HF's base model: leave out --request-lora")
     if ns.compare_hf and ns.engine_backend != "thread":
         raise SystemExit(
             "--compare-hf builds HF's model from the engine's own weights in this "
@@ -264,7 +289,19 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             ns.seed,
         )
         info = engine.get_server_info()
-        loom = run_loom(engine, reqs, ns.sampling)
+        base = None
+        loras = None
+        if ns.request_lora:
+            loras = [None if n == "none" else n for n in ns.request_lora]
+            base = run_loom(engine, reqs, ns.sampling)
+            print(
+                f"Loom, base model alone: {base['output_tokens_per_s']:.1f} output tokens/s, "
+                f"mean TPOT {base['mean_tpot_ms']:.1f} ms, {base['elapsed_s']:.2f} s"
+            )
+            engine.flush_cache()  # the adapters' run must not reuse the base run's prompts
+        loom = run_loom(engine, reqs, ns.sampling, loras)
+        if base is not None:
+            print(f"with LoRA adapters in turn: {', '.join(ns.request_lora)}")
         print(
             f"Loom  ({info['device']}, {info['dtype']}, KV cache "
             f"{info.get('kv_cache_dtype', 'auto')}, {info['attention_backend']}, "
@@ -290,6 +327,11 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             "sampling": ns.sampling,
             "loom": {k: v for k, v in loom.items() if k != "output_ids"},
         }
+        if base is not None:
+            result["request_lora"] = ns.request_lora
+            result["base"] = {k: v for k, v in base.items() if k != "output_ids"}
+            result["lora_vs_base"] = loom["output_tokens_per_s"] / base["output_tokens_per_s"]
+            print(f"LoRA / base: {result['lora_vs_base']:.3f}x")
         if ns.compare_hf:
             model = build_hf_model(engine)
             engine.shutdown()
