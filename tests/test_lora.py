@@ -104,10 +104,10 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 81], [11, 12, 13, 14, 15, 16,
 
 
 def _engine(base, paths, **kw):
+    kw = {"max_total_tokens": 2048, **kw}
     return loom.Engine(
         model=base,
         skip_tokenizer_init=True,
-        max_total_tokens=2048,
         lora_paths=[f"{n}={p}" for n, p in paths.items()],
         **kw,
     )
@@ -171,6 +171,54 @@ def test_one_slot_serves_two_adapters_in_turn(lora_setup, peft_ref, policy):
         assert lora.num_slot_loads == 3 and not any(lora.refs.values())
     for (p, lo), o in zip(jobs, outs, strict=True):
         assert o["output_ids"] == peft_ref(lo, p)[0], (p, lo)
+
+
+def test_chunked_prefill_and_retraction_keep_peft_tokens(lora_setup, peft_ref):
+    """Adapters through chunked prefill (4-token chunks) and through retraction (a pool too
+    small for the batch, admitted greedily): tokens still equal peft's, and slots and pages
+    balance afterwards."""
+    base, paths = lora_setup
+    jobs = [(p + [60 + i] * 20, lo) for i, p in enumerate(PROMPTS) for lo in ("a", "b")]
+    total = max(len(p) for p, _ in jobs) * 3 + 16
+    with _engine(
+        base,
+        paths,
+        max_total_tokens=total,
+        chunked_prefill_size=4,
+        schedule_conservativeness=0.0,
+        max_loras_per_batch=2,
+    ) as e:
+        outs = e.generate(
+            input_ids=[p for p, _ in jobs],
+            sampling_params={**GREEDY, "max_new_tokens": 24},
+            lora_path=[lo for _, lo in jobs],
+        )
+        assert e.scheduler.stats.num_retractions > 0
+        e.scheduler.check_kv_balance()
+    for (p, lo), o in zip(jobs, outs, strict=True):
+        assert o["output_ids"][:12] == peft_ref(lo, p)[0], (p, lo)
+
+
+def test_an_aborted_request_gives_its_slot_back(lora_setup, peft_ref):
+    base, paths = lora_setup
+    with _engine(base, paths, max_loras_per_batch=1) as e:
+        stream = e.generate(
+            input_ids=PROMPTS[0],
+            sampling_params={**GREEDY, "max_new_tokens": 200},
+            lora_path="a",
+            stream=True,
+            rid="long",
+        )
+        next(stream)
+        assert e.runner.lora_manager.refs["a"] == 1
+        e.abort_request("long")
+        last = list(stream)[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        # the one slot is free for the other adapter
+        out = e.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, lora_path="b")
+        assert out["output_ids"] == peft_ref("b", PROMPTS[1])[0]
+        assert not any(e.runner.lora_manager.refs.values())
+        e.scheduler.check_kv_balance()
 
 
 def test_prefix_cache_is_per_adapter(lora_setup):

@@ -884,6 +884,19 @@ class Scheduler:
                 f"KV pages do not balance: {free} free + {owned} owned != "
                 f"{self.allocator.num_pages}"
             )
+        lora = self.runner.lora_manager
+        if lora is not None:  # and each adapter slot is held by exactly its requests
+            held: dict[str, int] = {}
+            for r in owners:
+                if r.lora_slot >= 0:
+                    held[r.lora_name] = held.get(r.lora_name, 0) + 1
+                    if lora.slot_names[r.lora_slot] != r.lora_name:
+                        raise AssertionError(
+                            f"request {r.rid} holds slot {r.lora_slot} of another adapter"
+                        )
+            refs = {n: c for n, c in lora.refs.items() if c}
+            if held != refs:
+                raise AssertionError(f"LoRA slots do not balance: held {held}, counted {refs}")
 
     # ---- prefill --------------------------------------------------------------------------
 
