@@ -20,6 +20,7 @@ import time
 import torch
 
 import loom
+from loom.bench import append_result
 from loom.bench.offline import build_hf_model
 from loom.bench.parity import flips, hf_logits, summarise_flips
 
@@ -136,9 +137,7 @@ def main() -> None:
         "seconds": time.perf_counter() - t0,
     }
     print(json.dumps(result))
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(ns.result_file, result)
 
 
 if __name__ == "__main__":

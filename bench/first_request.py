@@ -16,6 +16,7 @@ import pathlib
 import time
 
 import loom
+from loom.bench import append_result
 
 
 def compiled(cache: pathlib.Path | None) -> set[str]:
@@ -75,9 +76,7 @@ def main() -> None:
         "requests": rows,
     }
     print(json.dumps(result))
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(ns.result_file, result)
 
 
 if __name__ == "__main__":

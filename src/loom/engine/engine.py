@@ -384,16 +384,19 @@ class Engine:
         self, ids, params, rid, priority, extra_key, lp, outputs=None, batch=None, lora=None
     ) -> list[_ReqState]:
         """``n`` samples of one prompt: n requests (rids ``{rid}-{i}``), each with its own
-        seed stream when seeded. The scheduler prefills the shared prompt once: identical
-        prompts admitted together wait one step for the first one's KV (radix cache)."""
+        seed stream when seeded; with n = 1, the one request as given. The scheduler prefills
+        the shared prompt once: identical prompts admitted together wait one step for the first
+        one's KV (radix cache)."""
         import dataclasses
 
         states = []
         for i in range(params.n):
-            p = dataclasses.replace(params, n=1)
-            if p.sampling_seed is not None:
-                p.sampling_seed = p.sampling_seed + i
-            r = f"{rid}-{i}" if rid else None
+            p, r = params, rid
+            if params.n > 1:
+                p = dataclasses.replace(params, n=1)
+                if p.sampling_seed is not None:
+                    p.sampling_seed = p.sampling_seed + i
+                r = f"{rid}-{i}" if rid else None
             states.append(
                 self._submit(
                     ids,
@@ -611,22 +614,7 @@ class Engine:
         def submit(reqs: list[Req]) -> list[_ReqState]:
             states = []
             for (ids, params, r), pr, k, lo in zip(batch, prios, keys, loras, strict=True):
-                if params.n > 1:
-                    states += self._submit_n(ids, params, r, pr, k, lp, shared, reqs, lo)
-                else:
-                    states.append(
-                        self._submit(
-                            ids,
-                            params,
-                            r,
-                            priority=pr,
-                            extra_key=k,
-                            logprob=lp,
-                            outputs=shared,
-                            batch=reqs,
-                            lora=lo,
-                        )
-                    )
+                states += self._submit_n(ids, params, r, pr, k, lp, shared, reqs, lo)
             return states
 
         return self._wait_all(self._submit_batch(submit), shared)
