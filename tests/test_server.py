@@ -530,7 +530,7 @@ BAD = [
     (
         "/v1/chat/completions",
         {"messages": MESSAGES, "model": "smollm2-135m-instruct:sql"},
-        400,
+        404,  # an adapter this server does not serve is a model it does not have (OpenAI, vLLM)
         "model",
     ),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
@@ -541,6 +541,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": 5}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": MESSAGES, "priority": "high"}, 400, "priority"),
     ("/generate", {"text": "hi", "extra_key": 3}, 400, None),
+    # LoRA is off on this server
+    ("/generate", {"text": "hi", "lora_path": "sql"}, 400, None),
+    ("/v1/chat/completions", {"messages": MESSAGES, "lora_path": 3}, 400, "lora_path"),
+    ("/load_lora_adapter", {"lora_name": "sql", "lora_path": "/x"}, 400, None),
 ]
 
 

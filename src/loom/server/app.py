@@ -189,12 +189,12 @@ def create_app(engine: Engine) -> FastAPI:
             adapter = name
         if adapter not in adapters():
             known = ", ".join(repr(n) for n in [model_name, *adapters()])
-            raise APIError(
-                404,
-                f"model {name!r} not found; this server serves {known}",
-                "model",
-                code="model_not_found",
-            )
+            why = f"this server serves {known}"
+            if sep and adapter != name and engine.lora_names is None:
+                why = (
+                    f"LoRA adapter {adapter!r} requested, but {why} and no adapters (--lora-paths)"
+                )
+            raise APIError(404, f"model {name!r} not found; {why}", "model", code="model_not_found")
         if req.lora is not None and req.lora != adapter:
             raise bad(f"model names adapter {adapter!r} but lora_path is {req.lora!r}", "model")
         req.lora = adapter
