@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 
 import pytest
 import torch
@@ -26,6 +27,15 @@ CHAT_PROMPTS = [
     "What is the boiling point of water in Celsius?",
     "List the days of the week.",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _seeded_rngs():
+    """Every test starts from the same random state: draws that are not seeded by a request
+    (the fused sampling kernel takes its base seed from ``random``) are then the same on every
+    run, and the distribution tests' chi-square checks cannot fail by chance on CI."""
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 def pytest_collection_modifyitems(config, items):
