@@ -34,10 +34,16 @@
 # The wheels do not all fit one call's 64 MiB: carry .whl (FlashInfer) in one call and
 # .whl2 + .tok in the next; what a call installs under /tmp stays while the machine is warm.
 # Results: OUTDIR/results.jsonl (one JSON line per run) and OUTDIR/log.txt.
+#   lora       the multi-LoRA GPU test, then SmolLM2 and Llama-3-8B at batch 64 with two
+#              adapters in turn against the base model in the same engine (--request-lora)
 #   hf64       Llama-3-8B, 64 x 128 / 256: Loom and HF generate() at batch 64 in one process
 #   firstreq [MODEL]  bench/first_request.py: a fresh engine's first batch-1 requests, timed,
 #              with the Triton kernels each compiled (an empty Triton cache)
-# Session 11's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+# Session 12's plan (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
+#   call 1: lora (multi-LoRA: the GPU test, then LoRA / base at batch 64 on both shapes), then
+#           quick10 and the FlashInfer engine tests once more (allow 60 s for FlashInfer's first
+#           load on a fresh machine)
+# Session 11's plan (done) (carry .whl + .whl2 + .tok; ~1 min of device time per machine start):
 #   call 1: defaults (8B and SmolLM2 batch 1: last measured in session 4, 224.1 / 1,140.6
 #           tok/s against 220 / 500; decode kernels, graphs, sampling and overlap have changed
 #           since), then wl8b and wl8b --kv-cache-dtype fp8_e4m3 once more (session 10 call 4:
@@ -124,7 +130,7 @@ fi
 offline() {  # tag, then loom bench offline flags
   echo "== $1" | tee -a "$log"; shift
   $py -m loom.cli bench offline --load-format dummy --skip-tokenizer-init \
-    --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -5 | tee -a "$log"
+    --result-file "$out/results.jsonl" "$@" 2>&1 | grep -v "^Loading" | tail -7 | tee -a "$log"
 }
 latency() {  # tag, then loom bench latency flags
   echo "== $1" | tee -a "$log"; shift
@@ -388,6 +394,18 @@ defaults)
   # the defaults as they now are (FlashInfer prefill + Triton decode on CUDA)
   latency "8b-b1-default" --model $L8 --batch-size 1 --input-len 128 --output-len 256 "${@:3}"
   offline "smol-b1-default" --model $SM --num-prompts 2 --input-len 128 --output-len 256 --max-running-requests 1 "${@:3}"
+  ;;
+lora)
+  # multi-LoRA on the GPU (built in session 11, never run on one): the GPU test against peft,
+  # then the same requests on the base model and with two random rank-16 adapters in turn
+  # (bench/make_lora.py; steps with an adapter run eagerly, outside the CUDA graphs)
+  $py -m pytest -q -m gpu tests/gpu/test_cuda_lora.py -p no:cacheprovider --tb=short 2>&1 | tail -5 | tee -a "$log"
+  for m in $SM $L8; do
+    for s in 1 2; do $py bench/make_lora.py --model $m --out /tmp/lora-$(basename $m .json)-$s --seed $s | tee -a "$log"; done
+    t=$(basename $m .json)
+    offline "$t-lora-ab-b64" --model $m --num-prompts 64 --input-len 128 --output-len 256 \
+      --lora-paths a=/tmp/lora-$t-1 b=/tmp/lora-$t-2 --request-lora a b "${@:3}"
+  done
   ;;
 hf64)
   # Loom against HF transformers generate() at batch 64 (Llama-3-8B shape, 64 x 128 / 256)

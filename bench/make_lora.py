@@ -50,7 +50,9 @@ def main() -> None:
     ns = p.parse_args()
     plugins.ensure_loaded()
     path = resolve_model_path(ns.model)
-    cfg = plugins.resolve("model_loader", "auto")().load_hf_config(path)
+    # a shape-only config (configs/*.json) is read by the dummy loader
+    fmt = "dummy" if path.endswith(".json") else "auto"
+    cfg = plugins.resolve("model_loader", fmt)().load_hf_config(path)
     g = torch.Generator().manual_seed(ns.seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
