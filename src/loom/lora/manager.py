@@ -70,7 +70,7 @@ class LoRALinear(nn.Module):
         for slot, idx in info.groups:
             a, b = a_all[slot], b_all[slot]
             if idx is None:
-                y = y + (x @ a.t()) @ b.t()
+                y += (x @ a.t()) @ b.t()
             else:
                 xs = x.index_select(0, idx)
                 y.index_add_(0, idx, (xs @ a.t()) @ b.t())
@@ -85,9 +85,7 @@ class LoRAManager:
         if get_tp_size() > 1:
             raise ValueError("LoRA serving with tensor parallelism is not supported yet")
         self.device, self.dtype = device, dtype
-        self.num_slots = args.max_loras_per_batch
-        if self.num_slots < 1:
-            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.num_slots}")
+        self.num_slots = args.max_loras_per_batch  # (ServerArgs checked it is >= 1)
         self.adapters: dict[str, LoRAAdapter] = {
             name: load_adapter(name, path)
             for name, path in parse_lora_paths(args.lora_paths).items()
@@ -243,19 +241,22 @@ class LoRAManager:
 
     # ---- batches --------------------------------------------------------------------------
 
-    def set_batch(self, token_slots: list[int] | None) -> None:
-        """The slots of a forward's tokens (-1: no adapter); None or all -1: base model only."""
-        if not token_slots or max(token_slots) < 0:
+    def set_batch(self, slots: list[int], counts: list[int] | None = None) -> None:
+        """Each request's slot (-1: no adapter) for a forward whose tokens are the requests'
+        ``counts`` tokens in order (None: one token each). All -1: the base model only."""
+        used = sorted(set(slots) - {-1})
+        if not used:
             self.active = None
             return
-        used = sorted(set(token_slots) - {-1})
-        if len(used) == 1 and min(token_slots) >= 0:
+        if len(used) == 1 and min(slots) >= 0:  # one adapter for every token
             self.active = _BatchInfo([(used[0], None)])
             return
-        slots = torch.tensor(token_slots)
+        per_token = torch.tensor(slots)
+        if counts is not None:
+            per_token = per_token.repeat_interleave(torch.tensor(counts))
         groups = []
         for s in used:
-            idx = torch.nonzero(slots == s).flatten().to(self.device, non_blocking=True)
+            idx = torch.nonzero(per_token == s).flatten().to(self.device, non_blocking=True)
             groups.append((s, idx))
         self.active = _BatchInfo(groups)
 

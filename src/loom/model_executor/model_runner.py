@@ -294,15 +294,15 @@ class ModelRunner:
         if logit_indices is not None:
             batch.logit_indices = self._tensor(logit_indices)
         if self.lora_manager is not None:
-            return self._run_lora(
-                batch,
-                [r.lora_slot for r, n in zip(reqs, extend_lens, strict=True) for _ in range(n)],
-            )
+            return self._run_lora(batch, [r.lora_slot for r in reqs], extend_lens)
         return self._run(batch)
 
-    def _run_lora(self, batch: ForwardBatch, token_slots: list[int]) -> torch.Tensor:
-        """A forward with each token's LoRA adapter slot (-1: none) applied."""
-        self.lora_manager.set_batch(token_slots)
+    def _run_lora(
+        self, batch: ForwardBatch, slots: list[int], counts: list[int] | None = None
+    ) -> torch.Tensor:
+        """A forward with each request's LoRA adapter slot (-1: none) applied to its ``counts``
+        tokens (None: one token each)."""
+        self.lora_manager.set_batch(slots, counts)
         try:
             return self._run(batch)
         finally:
