@@ -78,6 +78,13 @@ class ServerArgs:
     context_length: int | None = field(
         default=None, metadata=_arg("Override the model's maximum context length.")
     )
+    clamp_max_new_tokens: bool = field(
+        default=False,
+        metadata=_arg(
+            "Cap a request's max_new_tokens (OpenAI: max_tokens) at what the context leaves "
+            "after its prompt, instead of refusing the request with a 400 that says both numbers."
+        ),
+    )
     random_seed: int = field(
         default=0,
         metadata=_arg("Seed for weights of --load-format dummy and for unseeded sampling."),
@@ -295,6 +302,10 @@ class ServerArgs:
     disable_metrics: bool = field(
         default=False, metadata=_arg("Turn off the Prometheus /metrics route.")
     )
+    max_request_body_mb: float = field(
+        default=64.0,
+        metadata=_arg("Largest request body accepted, in MiB (a larger one is answered 413)."),
+    )
     max_queued_requests: int | None = field(
         default=None,
         metadata=_arg(
@@ -360,6 +371,8 @@ class ServerArgs:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
+        if self.max_request_body_mb <= 0:
+            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not 0 < self.port < 65536:

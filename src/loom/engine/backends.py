@@ -221,6 +221,7 @@ class ProcessBackend:
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # queue without bound: send() fails only peerless
         self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(out_addr)
@@ -279,17 +280,32 @@ class ProcessBackend:
                 return
 
     def send(self, message: tuple[str, Any]) -> None:
-        with self._send_lock:
-            self._push.send_pyobj(message)
+        """Never blocks: a PUSH socket's blocking send waits forever once its peer is gone (a
+        dead scheduler), and the caller may be the HTTP server's event loop, which would then
+        stop answering anything, signals included."""
+        import zmq
 
-    def shutdown(self) -> None:
+        with self._send_lock:
+            while True:
+                try:
+                    self._push.send_pyobj(message, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    # no peer yet, or one that stopped reading: wait only while it lives
+                    if self._stopping.is_set() or not self.process.is_alive():
+                        raise RuntimeError("the scheduler process is not running") from None
+                    time.sleep(0.001)
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Stop the scheduler: asked first, killed if it has not exited within ``timeout``."""
         if self._stopping.is_set():
             return
-        self._stopping.set()
         if self.process.is_alive():
             with contextlib.suppress(Exception):
                 self.send(("shutdown", None))
-            self.process.join(timeout=10)
+        self._stopping.set()
+        if self.process.is_alive():
+            self.process.join(timeout=timeout)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(timeout=5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Any
 from loom import plugins
 from loom.config import ServerArgs
 from loom.engine.tokenizer_manager import IncrementalDetokenizer, TokenizerManager
+from loom.sampling.limits import ParamError, check_context, check_number, show
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.loop import SchedulerBatchOut
 from loom.scheduler.request import Req, ReqOutput
@@ -154,7 +156,6 @@ class Engine:
         return ids
 
     def get_server_info(self) -> dict[str, Any]:
-        import dataclasses
 
         return {
             **dataclasses.asdict(self.server_args),
@@ -202,18 +203,20 @@ class Engine:
         self._loop_error = error
         with self._states_lock:
             states = list(self._states.values())
+        message = f"the scheduler has failed: {error}"
         for st in states:
-            self._put(
-                st,
-                ReqOutput(
-                    st.rid,
-                    [],
-                    st.prompt_tokens,
-                    len(st.output_ids),
-                    finished_reason={"type": "abort", "message": f"engine error: {error}"},
-                    error=str(error),
-                ),
+            out = ReqOutput(
+                st.rid,
+                [],
+                st.prompt_tokens,
+                len(st.output_ids),
+                finished_reason={"type": "abort", "message": message, "status_code": 503},
+                error=message,
             )
+            if st.shared:  # a batch's queue takes lists
+                st.outputs.put([out])
+            else:
+                self._put(st, out)
         for hook in list(self.on_failure_hooks):
             hook(error)
 
@@ -238,9 +241,12 @@ class Engine:
         input_ids: list[int] | None,
         sampling_params: dict[str, Any] | SamplingParams | None,
     ) -> tuple[list[int], SamplingParams]:
+        # the default max_new_tokens (not asked for) is capped to what fits the context
+        explicit = isinstance(sampling_params, SamplingParams) or (
+            isinstance(sampling_params, dict) and "max_new_tokens" in sampling_params
+        )
         if isinstance(sampling_params, SamplingParams):
-            params = sampling_params
-            params.validate()
+            params = dataclasses.replace(sampling_params)
         else:
             params = SamplingParams.from_dict(sampling_params)
         params.validate(self.vocab_size)
@@ -248,24 +254,31 @@ class Engine:
             if prompt is None:
                 raise ValueError("either prompt (text) or input_ids is required")
             if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+                raise ParamError("prompt", f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer_manager is None:
                 raise ValueError(
                     "text prompts need a tokenizer (started with "
                     "--skip-tokenizer-init): pass input_ids"
                 )
             input_ids = self.tokenizer_manager.encode(prompt)
-        if not input_ids:
-            raise ValueError("prompt is empty: at least one input token is required")
+        if not isinstance(input_ids, list) or not input_ids:
+            raise ParamError("input_ids", "prompt is empty: at least one input token is required")
         vocab = self.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if any(type(t) is not int or not 0 <= t < vocab for t in input_ids):
+            raise ParamError("input_ids", f"input_ids must be token ids in [0, {vocab})")
         if len(input_ids) >= self.context_len:
-            raise ValueError(
+            raise ParamError(
+                "input_ids" if prompt is None else "prompt",
                 f"prompt is too long: {len(input_ids)} tokens, the context length "
                 f"is {self.context_len} (the prompt must leave room for at least "
-                "one new token)"
+                "one new token)",
             )
+        room = self.context_len - len(input_ids)
+        if params.max_new_tokens > room:
+            if explicit and not self.server_args.clamp_max_new_tokens:
+                check_context(len(input_ids), params.max_new_tokens, self.context_len)
+            params.max_new_tokens = room
+            params.min_new_tokens = min(params.min_new_tokens, room)
         if params.custom_logit_processor is not None:
             from loom.sampling.logits_processor import is_serialized
             from loom.sampling.sampler import get_processor
@@ -387,8 +400,6 @@ class Engine:
         seed stream when seeded; with n = 1, the one request as given. The scheduler prefills
         the shared prompt once: identical prompts admitted together wait one step for the first
         one's KV (radix cache)."""
-        import dataclasses
-
         states = []
         for i in range(params.n):
             p, r = params, rid
@@ -420,7 +431,12 @@ class Engine:
             self.abort_request(st.rid)
 
     def abort_request(self, rid: str) -> None:
-        self.backend.send(("abort", rid))
+        if self._loop_error is not None or self._stopped.is_set():
+            return  # nothing runs any more
+        try:
+            self.backend.send(("abort", rid))
+        except RuntimeError:  # the scheduler just died: _on_failure ends every request
+            pass
 
     @property
     def num_waiting(self) -> int:
@@ -434,7 +450,28 @@ class Engine:
     # ---- collecting outputs ---------------------------------------------------------------
 
     def _consume(self, st: _ReqState, out: ReqOutput) -> dict[str, Any]:
-        """Apply one output to the request's state; returns the increment as an SGLang dict."""
+        """Apply one output to the request's state; returns the increment as an SGLang dict.
+        A failure here (detokenising, a stop-string check) fails this request alone: it is
+        aborted in the scheduler and its increment carries the error."""
+        try:
+            return self._apply_output(st, out)
+        except Exception as e:  # noqa: BLE001 - isolated to this request
+            logger.exception("request %s failed in the front end", st.rid)
+            message = f"the front end failed on this request: {type(e).__name__}: {e}"
+            failed = ReqOutput(
+                st.rid,
+                [],
+                st.prompt_tokens,
+                len(st.output_ids),
+                finished_reason={"type": "abort", "message": message, "status_code": 500},
+                error=message,
+            )
+            if out.finished_reason is None:
+                self.abort_request(st.rid)
+            st.detok = None  # (text so far is kept by the caller; no more decoding)
+            return self._apply_output(st, failed)
+
+    def _apply_output(self, st: _ReqState, out: ReqOutput) -> dict[str, Any]:
         new_ids = list(out.new_token_ids)
         st.output_ids.extend(new_ids)
         finished = out.finished_reason
@@ -772,21 +809,23 @@ class Engine:
 
 def _logprob_options(ret: Any, top: Any, start: Any) -> tuple[bool, int, int]:
     if not isinstance(ret, bool):
-        raise ValueError(f"return_logprob must be a boolean, got {ret!r}")
-    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
-        raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top!r}")
-    if isinstance(start, bool) or not isinstance(start, int) or start < -1:
-        raise ValueError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+        raise ParamError("return_logprob", f"return_logprob must be a boolean, got {show(ret)}")
+    check_number("top_logprobs_num", top)
+    check_number("logprob_start_len", start)
     if (top or start >= 0) and not ret:
-        raise ValueError("top_logprobs_num / logprob_start_len need return_logprob=True")
+        raise ParamError(
+            "return_logprob", "top_logprobs_num / logprob_start_len need return_logprob=True"
+        )
     return ret, top, start
 
 
 def _check_options(priority: Any, extra_key: Any) -> None:
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority is not None:
+        check_number("priority", priority)
     if extra_key is not None and not isinstance(extra_key, str):
-        raise ValueError(f"extra_key (cache_salt) must be a string, got {extra_key!r}")
+        raise ParamError(
+            "extra_key", f"extra_key (cache_salt) must be a string, got {show(extra_key)}"
+        )
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:

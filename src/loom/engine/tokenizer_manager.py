@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom.sampling.limits import ParamError
+
 _REPLACEMENT = "\ufffd"
 
 
@@ -60,13 +62,32 @@ class TokenizerManager:
             raise ValueError("messages must not be empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model has no chat template")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                raise ParamError("messages", f"messages[{i}] must be an object")
+            for key, value in msg.items():
+                if isinstance(value, str):
+                    _check_text(value, f"messages[{i}].{key}", "messages")
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
+        _check_text(text, "prompt", "prompt")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _check_text(text: str, where: str, param: str) -> None:
+    """Text must be valid Unicode: a lone surrogate (``"\\ud800"`` in JSON) has no UTF-8 form,
+    and tokenizers and chat templates fail on it deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("utf-8", "backslashreplace").decode()
+        raise ParamError(
+            param, f"{where} is not valid Unicode: {e.reason} at character {e.start} ({bad})"
+        ) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,15 +98,37 @@ def apply_logits_processors(
     info: SamplingBatchInfo,
     params: list[SamplingParams],
     histories: list[list[int]],
+    on_error: Callable[[int, Exception], None] | None = None,
 ) -> torch.Tensor:
+    """Each named processor over its rows, in one call. If that call fails (or returns
+    logits of another shape) and ``on_error`` is given, the rows are retried one by one and
+    each failing row is reported to it, its logits left as they were: a processor that fails
+    on one request's parameters fails that request alone."""
     for name, rows in info.processors.items():
-        proc = get_processor(name)
-        idx = torch.tensor(rows, device=logits.device)
-        sub = proc(
-            logits[idx], [params[r].custom_params for r in rows], [histories[r] for r in rows]
-        )
-        logits[idx] = sub
+        try:
+            _apply_processor(name, logits, rows, params, histories)
+        except Exception:
+            if on_error is None:
+                raise
+            for r in rows:
+                try:
+                    _apply_processor(name, logits, [r], params, histories)
+                except Exception as e:  # noqa: BLE001 - reported, isolated to row r
+                    on_error(r, e)
     return logits
+
+
+def _apply_processor(name, logits, rows, params, histories) -> None:
+    proc = get_processor(name)
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits[idx]
+    out = proc(sub, [params[r].custom_params for r in rows], [histories[r] for r in rows])
+    if not isinstance(out, torch.Tensor) or out.shape != sub.shape:
+        raise ValueError(
+            f"logits processor {name!r} returned {getattr(out, 'shape', type(out).__name__)}, "
+            f"not logits of shape {tuple(sub.shape)}"
+        )
+    logits[idx] = out
 
 
 _processor_cache: dict[str, object] = {}

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.sampling.limits import ParamError, check_number, show
+
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
@@ -39,21 +41,29 @@ class SamplingParams:
     structural_tag: str | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+    def from_dict(
+        cls, d: dict[str, Any] | None, names: dict[str, str] | None = None
+    ) -> SamplingParams:
+        """Parameters from a request's dict, validated (``names``: as in ``validate``)."""
+        if d is not None and not isinstance(d, dict):
+            raise ParamError("sampling_params", "sampling_params must be an object")
         d = dict(d or {})
+        names = dict(names or {})
         if "seed" in d:  # SGLang accepts both
+            names.setdefault("sampling_seed", "seed")
             d.setdefault("sampling_seed", d.pop("seed"))
         known = {f.name for f in dataclasses.fields(cls)}
         for key in list(d):
-            if key not in known:
-                raise ValueError(
-                    f"unknown sampling parameter {key!r}; valid: {', '.join(sorted(known))}"
+            if not isinstance(key, str) or key not in known:
+                raise ParamError(
+                    str(key),
+                    f"unknown sampling parameter {show(key)}; valid: {', '.join(sorted(known))}",
                 )
         if isinstance(d.get("logit_bias"), dict):
             try:
                 d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
-            except (TypeError, ValueError) as e:
-                raise ValueError("logit_bias keys must be token ids") from e
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ParamError("logit_bias", "logit_bias keys must be token ids") from e
         for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
             if d.get(key) is None:
                 d.pop(key, None)
@@ -65,68 +75,75 @@ class SamplingParams:
             d.setdefault("custom_params", proc.get("params") or {})
         for key in ("json_schema", "structural_tag"):
             if isinstance(d.get(key), (dict, list)):
-                d[key] = json.dumps(d[key])
+                try:
+                    d[key] = json.dumps(d[key])
+                except (ValueError, TypeError, RecursionError) as e:
+                    raise ParamError(key, f"{key} is not a JSON document: {e}") from None
         params = cls(**d)
-        params.validate()
+        params.validate(names=names)
         return params
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+    def validate(self, vocab_size: int | None = None, names: dict[str, str] | None = None) -> None:
+        """Check every field (numbers through ``limits.check_number``, the one place their
+        bounds live). ``names``: how the caller spells fields (OpenAI's ``max_tokens`` for
+        ``max_new_tokens``), for the error's message and ``param``."""
+        names = names or {}
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise bad("max_new_tokens", "must be an integer >= 0")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", "must be -1 (disabled) or >= 1")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        def num(name: str, value: Any = None, hi: int | None = None) -> None:
+            value = getattr(self, name) if value is None else value
+            check_number(name, value, names.get(name, name), hi)
+
+        def bad(name: str, why: str) -> ParamError:
+            label = names.get(name, name)
+            return ParamError(label, f"{label} {why}, got {show(getattr(self, name))}")
+
+        for name in (
+            "max_new_tokens",
+            "min_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "n",
+        ):
+            num(name)
+        if self.sampling_seed is not None:
+            num("sampling_seed")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
+        if not isinstance(self.stop_token_ids, list):
             raise bad("stop_token_ids", "must be a list of token ids")
-        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
-            raise bad("stop_token_ids", f"must be < vocab size {vocab_size}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        for t in self.stop_token_ids:
+            check_number("token_id", t, names.get("stop_token_ids", "stop_token_ids"), vocab_size)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a string or a list of non-empty strings")
-        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
-            raise bad("sampling_seed", "must be an integer")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
         if not isinstance(self.custom_params, dict):
             raise bad("custom_params", "must be a JSON object")
-        num = (int, float)
-        for name, lo, hi in (("frequency_penalty", -2, 2), ("presence_penalty", -2, 2)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, num) or not lo <= v <= hi:
-                raise bad(name, f"must be in [{lo}, {hi}]")
-        rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, num) or not 0 < rp <= 2:
-            raise bad("repetition_penalty", "must be in (0, 2]")
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise bad("min_new_tokens", "must be an integer >= 0")
-        if isinstance(self.max_new_tokens, int) and self.min_new_tokens > self.max_new_tokens:
-            raise bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.custom_logit_processor is not None and not isinstance(
+            self.custom_logit_processor, str
+        ):
+            raise bad("custom_logit_processor", "must be a processor's name")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must map token ids to numbers")
+            label = names.get("logit_bias", "logit_bias")
             for tok, b in self.logit_bias.items():
-                if (
-                    not isinstance(tok, int)
-                    or tok < 0
-                    or (vocab_size is not None and tok >= vocab_size)
-                ):
-                    raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
-                if isinstance(b, bool) or not isinstance(b, num) or not -100 <= b <= 100:
-                    raise bad("logit_bias", "values must be numbers in [-100, 100]")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
-            raise bad("n", "must be an integer in [1, 64]")
+                check_number("token_id", tok, f"{label} key", vocab_size, param=label)
+                check_number("logit_bias", b, f"{label}[{tok}]", param=label)
         given = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         for k in given:
             if not isinstance(getattr(self, k), str) or not getattr(self, k):
                 raise bad(k, "must be a non-empty string")
         if len(given) > 1:
-            raise ValueError(
-                f"at most one of {', '.join(CONSTRAINTS)} per request, got {', '.join(given)}"
+            raise ParamError(
+                given[-1],
+                f"at most one of {', '.join(CONSTRAINTS)} per request, got {', '.join(given)}",
             )
 
     @property

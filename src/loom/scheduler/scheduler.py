@@ -284,6 +284,12 @@ class Scheduler:
         self._shared_graphs: OrderedDict[tuple, SamplingGraph] = OrderedDict()
         self._mask_bufs: list[torch.Tensor] | None = None  # pinned grammar bitmasks (CUDA)
         self._mask_flip = 0
+        # Failure isolation: every request the scheduler holds whose last output has not left
+        # a step yet (a failed step fails these, so none is lost), the outputs of requests
+        # failed inside a step, and the steps failed in a row.
+        self._live: dict[str, Req] = {}
+        self._failed: list[ReqOutput] = []
+        self._failed_steps = 0
 
     def _build_hicache(self, policy):
         import json
@@ -361,6 +367,20 @@ class Scheduler:
     # ---- intake ---------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> list[ReqOutput]:
+        """Queue ``req``; its outputs if it ends at once (refused, or nothing to generate). An
+        exception fails this request alone."""
+        try:
+            outputs = self._add_request(req)
+        except Exception as e:  # noqa: BLE001 - isolated to this request
+            logger.exception("request %s failed on arrival", req.rid)
+            self.waiting = deque(r for r in self.waiting if r is not req)
+            self.grammar_queue = [r for r in self.grammar_queue if r is not req]
+            return [self._fail(req, f"internal error: {type(e).__name__}: {e}", 500)]
+        if not outputs:
+            self._live[req.rid] = req
+        return outputs
+
+    def _add_request(self, req: Req) -> list[ReqOutput]:
         if req.lora_name is not None:
             lora = self.runner.lora_manager
             if lora is None:
@@ -434,10 +454,61 @@ class Scheduler:
         self.grammar_queue = still
         return outputs
 
-    def _fail(self, req: Req, message: str) -> ReqOutput:
+    def _fail(self, req: Req, message: str, status: int = 400) -> ReqOutput:
+        """End a request that holds no KV with an error (``status``: the HTTP status its client
+        gets: 400 for what the request asked, 500 for a failure of Loom's own)."""
         req.error = message
-        req.finished_reason = {"type": "abort", "message": message}
+        req.finished_reason = {"type": "abort", "message": message, "status_code": status}
         return self._output(req, [])
+
+    def _fail_in_step(self, req: Req, error: BaseException | str, status: int = 500) -> None:
+        """Fail one request inside a step: it leaves every queue, its KV pages, request row,
+        penalty row and adapter slot return, and its error output goes out with the step's.
+        A step in flight that still computes its row discards that row's token."""
+        if isinstance(error, BaseException):
+            logger.error("request %s failed: %s: %s", req.rid, type(error).__name__, error)
+            error = f"internal error: {type(error).__name__}: {error}"
+        if req.is_finished:
+            return
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        self.running = [r for r in self.running if r is not req]
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self._release(req)
+        self._release_penalty(req)
+        self._failed.append(self._fail(req, error, status))
+
+    def _recover(self, error: Exception) -> list[ReqOutput]:
+        """After a step raised: fail the requests it may have touched (all that hold KV or
+        were in flight; after three failed steps in a row, the queued ones too), return their
+        pages and carry on. Raises if the state cannot be made whole again (the pages do not
+        balance, or the device itself failed): the loop then dies and every request ends with
+        the scheduler's error."""
+        logger.exception("a scheduler step failed; failing its requests")
+        self._failed_steps += 1
+        message = f"internal error in the scheduler: {type(error).__name__}: {error}"
+        queued = {id(r) for r in self.waiting} | {id(r) for r in self.grammar_queue}
+        if self._failed_steps >= 3:
+            queued = set()
+            self.waiting, self.grammar_queue = deque(), []
+        self._inflight = self._inflight_prefill = None
+        self._decode_begin = None
+        self._plan_cache = None
+        self.running, self.chunked_req = [], None
+        outputs, self._failed = self._failed, []
+        for req in list(self._live.values()):
+            if id(req) in queued:
+                continue
+            self._release(req)
+            self._release_penalty(req)
+            if req.grammar_future is not None:
+                req.grammar_future.cancel()
+            outputs.append(self._fail(req, message, 500))
+            del self._live[req.rid]
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()  # a device fault is sticky: it raises here, and is fatal
+        self.check_kv_balance()
+        return outputs
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
@@ -518,7 +589,17 @@ class Scheduler:
         prefills = self.stats.num_prefill_batches
         waited = self.stats.time_grammar_wait_s
         self._tail_s = self._prefill_tail_s = 0.0
-        outputs = self._step()
+        try:
+            outputs = self._step()
+            self._failed_steps = 0
+        except Exception as e:  # noqa: BLE001 - one step's failure is not the server's
+            outputs = self._recover(e)
+        if self._failed:
+            outputs += self._failed
+            self._failed = []
+        for out in outputs:
+            if out.finished_reason is not None:
+                self._live.pop(out.rid, None)
         dt = time.perf_counter() - t - (self.stats.time_grammar_wait_s - waited)
         if self.stats.num_prefill_batches != prefills:
             # the wait for the decode step still in flight belongs to decode, not to the
@@ -929,55 +1010,58 @@ class Scheduler:
                 break
             if self.req_to_token_pool.num_free == 0:
                 break
-            if (
-                self.tree is not None
-                and not req.output_ids
-                and len(req.origin_input_ids) > self.page_size
-            ):
-                # n > 1 (or any identical prompts arriving together): prefill the prompt once;
-                # the others wait one step and match its KV in the radix cache.
-                if req.prompt_hash in admitted_prompts:
+            try:
+                if (
+                    self.tree is not None
+                    and not req.output_ids
+                    and len(req.origin_input_ids) > self.page_size
+                ):
+                    # n > 1 (or any identical prompts arriving together): prefill the prompt once;
+                    # the others wait one step and match its KV in the radix cache.
+                    if req.prompt_hash in admitted_prompts:
+                        continue
+                    admitted_prompts.add(req.prompt_hash)
+                slots, node = self._match(req)
+                need = self._pages_to_admit(req, len(slots))
+                # Alone, a request needs only its prompt plus one token of room: if it later
+                # outgrows the pool it is aborted with a clear message rather than starved.
+                alone = not self.running and not items
+                room = self.allocator.num_free + self._evictable_pages()
+                if need > free_pages and not (
+                    alone and room >= self._pages_for(req.seq_len + 1 - len(slots))
+                ):
+                    # Beyond the expected pages, admit what fits even if everything runs to its
+                    # limit (no retraction can follow; admission.py)
+                    if running_rows is None:
+                        running_rows = self._peak_rows(self.running)
+                    shared = len(slots) // self.page_size
+                    cand = (req.seq_len, self._growth_left(req), shared)
+                    if not self._fits_at_peak(running_rows, [it.req for it in items], cand, shared):
+                        break
+                if req.lora_name is not None and (lora_blocked or not self._acquire_lora(req)):
+                    # Every adapter slot is busy with other running adapters. Base-model requests
+                    # may pass it, adapter requests may not: the adapters holding the slots then
+                    # drain, and this one gets a slot (no adapter starves behind a busy one).
+                    lora_blocked = True
                     continue
-                admitted_prompts.add(req.prompt_hash)
-            slots, node = self._match(req)
-            need = self._pages_to_admit(req, len(slots))
-            # Alone, a request needs only its prompt plus one token of room: if it later
-            # outgrows the pool it is aborted with a clear message rather than starved.
-            alone = not self.running and not items
-            room = self.allocator.num_free + self._evictable_pages()
-            if need > free_pages and not (
-                alone and room >= self._pages_for(req.seq_len + 1 - len(slots))
-            ):
-                # Beyond the expected pages, admit what fits even if everything runs to its
-                # limit (no retraction can follow; admission.py)
-                if running_rows is None:
-                    running_rows = self._peak_rows(self.running)
-                shared = len(slots) // self.page_size
-                cand = (req.seq_len, self._growth_left(req), shared)
-                if not self._fits_at_peak(running_rows, [it.req for it in items], cand, shared):
+                req.req_pool_idx = self.req_to_token_pool.alloc()
+                evictable_before = self._evictable_pages()
+                self._use_prefix(req, slots, node)
+                locked = evictable_before - self._evictable_pages()
+                n = int(min(req.seq_len - req.kv_len, self.chunk_size, budget))
+                if self._alloc_kv(req, n) is None:
+                    self._release(req)
                     break
-            if req.lora_name is not None and (lora_blocked or not self._acquire_lora(req)):
-                # Every adapter slot is busy with other running adapters. Base-model requests
-                # may pass it, adapter requests may not: the adapters holding the slots then
-                # drain, and this one gets a slot (no adapter starves behind a busy one).
-                lora_blocked = True
-                continue
-            req.req_pool_idx = self.req_to_token_pool.alloc()
-            evictable_before = self._evictable_pages()
-            self._use_prefix(req, slots, node)
-            locked = evictable_before - self._evictable_pages()
-            n = int(min(req.seq_len - req.kv_len, self.chunk_size, budget))
-            if self._alloc_kv(req, n) is None:
-                self._release(req)
-                break
-            self.waiting.remove(req)
-            free_pages -= need + locked
-            budget -= n
-            num_active += 1
-            items.append(_ExtendItem(req, req.kv_len, n))
-            if req.kv_len + n < req.seq_len:
-                self.chunked_req = req
-                break
+                self.waiting.remove(req)
+                free_pages -= need + locked
+                budget -= n
+                num_active += 1
+                items.append(_ExtendItem(req, req.kv_len, n))
+                if req.kv_len + n < req.seq_len:
+                    self.chunked_req = req
+                    break
+            except Exception as e:  # noqa: BLE001 - this request's arithmetic or state
+                self._fail_in_step(req, e)
         return items
 
     @property
@@ -1082,9 +1166,9 @@ class Scheduler:
         are skipped)."""
         tokens, lps = sampled.host_results(self.stats)
         outputs = [
-            self._append_token(req, tok, lp)
+            out
             for req, tok, lp in zip(sampled.reqs, tokens, lps, strict=True)
-            if not req.is_finished
+            if not req.is_finished and (out := self._append_or_fail(req, tok, lp)) is not None
         ]
         self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -1150,7 +1234,8 @@ class Scheduler:
         for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
             if req.is_finished:  # finished by the step before (overlap ran one step past it)
                 continue
-            outputs.append(self._append_token(req, tok, lp))
+            if (out := self._append_or_fail(req, tok, lp)) is not None:
+                outputs.append(out)
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
         dt = time.perf_counter() - t - (self.stats.time_device_wait_s - waited)
@@ -1248,11 +1333,10 @@ class Scheduler:
             if len(self.running) == 1:
                 req = self.running.pop()
                 logger.error("KV pool too small for request %s", req.rid)
-                outputs.append(
-                    self._finish_abort(
-                        req, "the KV cache is too small for this request (raise --max-total-tokens)"
-                    )
-                )
+                message = "the KV cache is too small for this request (raise --max-total-tokens)"
+                req.error = message
+                outputs.append(self._finish_abort(req, message))
+                outputs[-1].finished_reason["status_code"] = 400
                 break
             # Retract the request that has done the least work (fewest outputs, longest prompt).
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
@@ -1282,7 +1366,9 @@ class Scheduler:
         raw = logits.clone() if want_lp else None
         if info.processors:
             histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
-            logits = apply_logits_processors(logits, info, params, histories)
+            logits = apply_logits_processors(
+                logits, info, params, histories, lambda row, e: self._fail_in_step(reqs[row], e)
+            )
         if plan.masked_argmax:
             tokens = masked_argmax(logits, self._grammar_masks(logits, reqs))
             return self._finish_sampled(tokens, raw, reqs, want_lp)
@@ -1530,7 +1616,14 @@ class Scheduler:
         # (a request that finished while this step's forward ran keeps an unmasked row; its
         # token is discarded)
         rows = [i for i, req in enumerate(reqs) if req.grammar is not None and not req.is_finished]
-        backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
+        try:
+            backend.fill_vocab_masks([reqs[i].grammar for i in rows], mask, rows)
+        except Exception:  # noqa: BLE001 - find the matcher that failed; fail its request alone
+            for i in rows:
+                try:
+                    reqs[i].grammar.fill_vocab_mask(mask, i)
+                except Exception as e:  # noqa: BLE001
+                    self._fail_in_step(reqs[i], e)
         mask = mask.to(logits.device, non_blocking=True)
         self.stats.time_grammar_mask_s += time.perf_counter() - t
         return mask
@@ -1553,6 +1646,15 @@ class Scheduler:
         mask = bufs[self._mask_flip][:bs]
         backend.reset_vocab_mask(mask)
         return mask
+
+    def _append_or_fail(self, req: Req, token: int, logprob) -> ReqOutput | None:
+        """``_append_token``, or None with the request failed if that raised (its grammar
+        matcher, say): one request's failure is not its batch's."""
+        try:
+            return self._append_token(req, token, logprob)
+        except Exception as e:  # noqa: BLE001 - isolated to this request
+            self._fail_in_step(req, e)
+            return None
 
     def _append_token(self, req: Req, token: int, logprob=None) -> ReqOutput:
         req.output_ids.append(token)

@@ -18,14 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from loom.sampling.limits import ParamError, show
 from loom.server.protocol import (
     APIError,
     ParsedRequest,
     bad,
     finish_reason,
+    output_error,
     parse_chat,
     parse_completion,
+    parse_json_body,
 )
 
 if TYPE_CHECKING:
@@ -101,13 +106,16 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def _value_error(e: ValueError) -> APIError:
-    """Engine validation errors start with the offending field's name."""
+def _value_error(e: ValueError, names: dict[str, str] | None = None) -> APIError:
+    """A validation error as a 400; ``names`` maps Loom's field names to the request's own
+    (OpenAI's ``max_tokens`` for ``max_new_tokens``)."""
     import dataclasses
 
     from loom.sampling.sampling_params import SamplingParams
 
     msg = str(e)
+    if isinstance(e, ParamError):
+        return bad(msg, (names or {}).get(e.param, e.param))
     m = _FIELD.match(msg)
     fields = {f.name for f in dataclasses.fields(SamplingParams)} | {
         "prompt",
@@ -122,12 +130,46 @@ def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _json_body(request: Request, limit: int) -> Any:
+    """The body, read up to ``limit`` bytes (413 past it), parsed and checked by
+    ``parse_json_body``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(
+            413, f"the request body is larger than {limit} bytes", type_="invalid_request_error"
+        )
+    chunks, size = [], 0
     try:
-        return json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"malformed JSON body: {e}") from e
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(
+                    413,
+                    f"the request body is larger than {limit} bytes",
+                    type_="invalid_request_error",
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        logger.info(
+            "client disconnected while sending the body of %s %s (%d bytes received)",
+            request.method,
+            request.url.path,
+            size,
+        )
+        raise APIError(499, "client disconnected") from None
+    return parse_json_body(b"".join(chunks))
+
+
+async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream whose failure after the response started ends it with an error event in
+    OpenAI's shape (the status line is already sent) instead of a cut connection."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except Exception as e:  # noqa: BLE001 - any failure of the route's own code
+        logger.exception("stream failed")
+        yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        yield b"data: [DONE]\n\n"
 
 
 class _APIKeyMiddleware:
@@ -169,10 +211,32 @@ def create_app(engine: Engine) -> FastAPI:
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return _error_response(err)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        # unknown routes (404), wrong methods (405): OpenAI's shape like every other error
+        return _error_response(APIError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+        logger.error(
+            "%s %s failed: %s: %s",
+            request.method,
+            request.url.path,
+            type(err).__name__,
+            err,
+            exc_info=err,
+        )
+        return _error_response(APIError(500, f"internal error: {type(err).__name__}: {err}"))
+
     if args.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=args.api_key)
 
     # ---- helpers --------------------------------------------------------------------------
+
+    body_limit = int(args.max_request_body_mb * 2**20)
+
+    async def body_of(request: Request) -> Any:
+        return await _json_body(request, body_limit)
 
     def adapters() -> list[str]:
         return sorted(engine.lora_names or ())
@@ -234,7 +298,7 @@ def create_app(engine: Engine) -> FastAPI:
                 logprob_start_len=logprob_start_len,
             )
         except ValueError as e:
-            raise _value_error(e) from e
+            raise _value_error(e, req.names if req else None) from e
 
     async def merged(streams: list[AsyncIterator[dict[str, Any]]]):
         """Yield (index, increment) from several streams as they arrive."""
@@ -263,23 +327,8 @@ def create_app(engine: Engine) -> FastAPI:
                 with contextlib.suppress(Exception):
                     await s.aclose()
 
-    async def collect(request: Request, streams) -> list[dict[str, Any]]:
-        """Gather whole results; abort everything if the client goes away first."""
-        results = [
-            {"text": "", "output_ids": [], "meta_info": {}, "logprobs": [], "top": []}
-            for _ in streams
-        ]
-
-        async def run():
-            async for i, inc in merged(streams):
-                r = results[i]
-                r["text"] += inc["text"]
-                r["output_ids"] += inc["output_ids"]
-                r["meta_info"] = inc["meta_info"]
-                r["logprobs"] += inc["meta_info"].get("output_token_logprobs", [])
-                r["top"] += inc["meta_info"].get("output_top_logprobs", [])
-
-        task = asyncio.create_task(run())
+    async def until_done(request: Request, task: asyncio.Task) -> Any:
+        """``task``'s result; cancelled (which aborts its streams) if the client goes away."""
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and await request.is_disconnected():
@@ -287,8 +336,65 @@ def create_app(engine: Engine) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 raise APIError(499, "client disconnected")
-        task.result()
+        return task.result()
+
+    async def collect(request: Request, streams) -> list[dict[str, Any]]:
+        """Gather whole results; abort everything if the client goes away first. A request
+        that failed after submission makes the response its error (4xx / 5xx)."""
+        results = [
+            {"text": "", "output_ids": [], "meta_info": {}, "logprobs": [], "top": []}
+            for _ in streams
+        ]
+
+        async def run():
+            async for i, inc in merged(streams):
+                err = output_error(inc["meta_info"])
+                if err is not None:
+                    raise err  # (merged()'s cleanup aborts the other streams)
+                r = results[i]
+                r["text"] += inc["text"]
+                r["output_ids"] += inc["output_ids"]
+                r["meta_info"] = inc["meta_info"]
+                r["logprobs"] += inc["meta_info"].get("output_token_logprobs", [])
+                r["top"] += inc["meta_info"].get("output_top_logprobs", [])
+
+        await until_done(request, asyncio.create_task(run()))
         return results
+
+    async def first_of(request: Request, streams):
+        """The first increment of ``streams`` and the rest of them (``merged``), waited for
+        before a streamed response starts: a request that fails before its first token gets
+        its error as the response's status, in OpenAI's shape."""
+        rest = merged(streams)
+
+        async def pull():
+            return await rest.__anext__()
+
+        try:
+            first = await until_done(request, asyncio.create_task(pull()))
+        except BaseException:
+            await rest.aclose()
+            raise
+        err = output_error(first[1]["meta_info"])
+        if err is not None:
+            await rest.aclose()
+            raise err
+        return first, rest
+
+    async def chained(first, rest):
+        yield first
+        async for item in rest:
+            yield item
+
+    def stream_response(events: AsyncIterator[bytes], rest) -> StreamingResponse:
+        async def body():
+            try:
+                async for chunk in _guarded(events):
+                    yield chunk
+            finally:  # a client gone mid-stream: its requests are aborted now, not when collected
+                await rest.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     def usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
         """OpenAI usage from each stream's last meta_info; streams are prompt-major with ``n``
@@ -345,7 +451,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req, messages = parse_chat(await _json_body(request))
+        req, messages = parse_chat(await body_of(request))
         check_model(req)
         try:
             ids = engine.apply_chat_template(messages)
@@ -376,6 +482,8 @@ def create_app(engine: Engine) -> FastAPI:
                 "usage": usage([r["meta_info"] for r in results], req.n),
             }
 
+        first, rest = await first_of(request, streams)
+
         async def events():
             chunk = {**base, "object": "chat.completion.chunk"}
             for i in range(req.n):
@@ -392,7 +500,7 @@ def create_app(engine: Engine) -> FastAPI:
                     }
                 )
             metas: list[dict[str, Any]] = [{} for _ in streams]
-            async for i, inc in merged(streams):
+            async for i, inc in chained(first, rest):
                 meta = metas[i] = inc["meta_info"]
                 reason = finish_reason(meta.get("finish_reason"))
                 if inc["text"] or (req.logprobs and meta.get("output_token_logprobs")):
@@ -407,15 +515,17 @@ def create_app(engine: Engine) -> FastAPI:
                     yield _sse(
                         {**chunk, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}
                     )
+                if (err := output_error(meta)) is not None:
+                    yield _sse(err.body())
             if req.include_usage:
                 yield _sse({**chunk, "choices": [], "usage": usage(metas, req.n)})
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return stream_response(events(), rest)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req, prompts = parse_completion(await _json_body(request))
+        req, prompts = parse_completion(await body_of(request))
         check_model(req)
         k = req.best_of  # samples per prompt (>= n); the n best by mean logprob are returned
         admit(k * len(prompts))
@@ -471,19 +581,21 @@ def create_app(engine: Engine) -> FastAPI:
                 "usage": usage([r["meta_info"] for r in results], k),
             }
 
+        first, rest = await first_of(request, streams)
+
         async def events():
             chunk = {**base, "object": "text_completion"}
             metas: list[dict[str, Any]] = [{} for _ in streams]
             echoed: set[int] = set()
-            async for i, inc in merged(streams):
+            async for i, inc in chained(first, rest):
                 if req.echo and i not in echoed:
                     echoed.add(i)
-                    first = {"text": prompt_texts[i // k], "logprobs": None, "finish_reason": None}
+                    head = {"text": prompt_texts[i // k], "logprobs": None, "finish_reason": None}
                     if echo_lp:
-                        first["logprobs"] = completion_logprobs(
+                        head["logprobs"] = completion_logprobs(
                             inc["meta_info"].get("input_token_logprobs", []), []
                         )
-                    yield _sse({**chunk, "choices": [{"index": i, **first}]})
+                    yield _sse({**chunk, "choices": [{"index": i, **head}]})
                 meta = metas[i] = inc["meta_info"]
                 reason = finish_reason(inc["meta_info"].get("finish_reason"))
                 lp = None
@@ -505,22 +617,24 @@ def create_app(engine: Engine) -> FastAPI:
                             ],
                         }
                     )
+                if (err := output_error(meta)) is not None:
+                    yield _sse(err.body())
             if req.include_usage:
                 yield _sse({**chunk, "choices": [], "usage": usage(metas, req.n)})
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return stream_response(events(), rest)
 
     # ---- SGLang-native routes -------------------------------------------------------------
 
     @app.post("/generate")
     async def generate(request: Request):
-        body = await _json_body(request)
+        body = await body_of(request)
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         for key in body:
             if key not in _GENERATE_FIELDS:
-                raise bad(f"unknown field {key!r}", key)
+                raise bad(f"unknown field {show(key)}", key[:64])
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise bad("give exactly one of text or input_ids", "text")
@@ -528,8 +642,15 @@ def create_app(engine: Engine) -> FastAPI:
             batch = isinstance(text, list)
             items = [(t, None) for t in (text if batch else [text])]
         else:
+            if not isinstance(input_ids, list):
+                raise bad("input_ids must be a list of token ids (or of such lists)", "input_ids")
             batch = bool(input_ids) and isinstance(input_ids[0], list)
             items = [(None, ids) for ids in (input_ids if batch else [input_ids])]
+        if not items:
+            raise bad("the batch is empty", "text" if text is not None else "input_ids")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("stream must be a boolean", "stream")
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(items)
         per_item = {}
@@ -538,6 +659,8 @@ def create_app(engine: Engine) -> FastAPI:
             per_item[key] = v if isinstance(v, list) else [v] * len(items)
             if len(per_item[key]) != len(items):
                 raise bad(f"{key} list must match the batch size", key)
+        if not all(r is None or isinstance(r, str) for r in per_item["rid"]):
+            raise bad("rid must be a string (or a list of strings for a batch)", "rid")
         if len(params_list) != len(items):
             raise bad("sampling_params list must match the batch size", "sampling_params")
         rids = list(
@@ -549,7 +672,6 @@ def create_app(engine: Engine) -> FastAPI:
                 strict=True,
             )
         )
-        stream = bool(body.get("stream", False))
         lp_kw = {
             k: body[k]
             for k in ("return_logprob", "top_logprobs_num", "logprob_start_len")
@@ -598,9 +720,11 @@ def create_app(engine: Engine) -> FastAPI:
                     r["meta_info"]["output_top_logprobs"] = tops
             return results if batch else results[0]
 
+        first, rest = await first_of(request, streams)
+
         async def events():
             acc = [{"text": "", "output_ids": []} for _ in streams]
-            async for i, inc in merged(streams):
+            async for i, inc in chained(first, rest):
                 acc[i]["text"] += inc["text"]
                 acc[i]["output_ids"] += inc["output_ids"]
                 out = {
@@ -611,9 +735,11 @@ def create_app(engine: Engine) -> FastAPI:
                 if batch:
                     out["index"] = i
                 yield _sse(out)
+                if (err := output_error(inc["meta_info"])) is not None:
+                    yield _sse(err.body())
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return stream_response(events(), rest)
 
     @app.get("/health")
     async def health():
@@ -663,7 +789,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/load_lora_adapter")
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        body = await _json_body(request)
+        body = await body_of(request)
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         for key in ("lora_name", "lora_path"):
@@ -678,7 +804,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/unload_lora_adapter")
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        body = await _json_body(request)
+        body = await body_of(request)
         if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
             raise bad('unload_lora_adapter needs {"lora_name": "..."}', "lora_name")
         try:
@@ -689,7 +815,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _json_body(request)
+        body = await body_of(request)
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
             raise bad('abort_request needs {"rid": "..."}', "rid")
         engine.abort_request(body["rid"])

@@ -5,8 +5,11 @@ yet are refused with a 400 that names them: nothing is silently ignored."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from loom.sampling.limits import OPENAI_NAMES, ParamError, check_number, show
+from loom.sampling.sampling_params import SamplingParams
 
 
 class APIError(Exception):
@@ -47,6 +50,82 @@ def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+# Deeper JSON than any request needs (a response_format schema nests a few levels per level of
+# its data); deeper bodies are refused before anything recurses over them.
+MAX_JSON_DEPTH = 64
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 naming what is wrong with it: not UTF-8, malformed,
+    nested deeper than ``MAX_JSON_DEPTH``, a NaN or Infinity (not JSON, though Python's
+    parser takes them), or text that is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"``, which has no UTF-8 form and fails tokenizers and chat templates)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text or "null")
+    except RecursionError:
+        raise bad(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
+        raise bad(f"malformed JSON body: {e}") from None
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: Any) -> None:
+    """Depth, finite numbers and valid Unicode everywhere in a parsed body (iteratively: no
+    recursion over client data)."""
+    if not isinstance(body, (dict, list)):
+        return  # (a route refuses a body that is not an object)
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise bad(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", _top(path))
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(key, str):
+                _check_str(key, path + (key,))
+            t = type(value)
+            if t is int or t is bool or value is None:
+                continue
+            if t is str:
+                _check_str(value, path + (key,))
+            elif t is float:
+                if value != value or value in (float("inf"), float("-inf")):
+                    where = _where(path + (key,))
+                    raise bad(
+                        f"{where}: {value} is not a number JSON allows (no NaN or Infinity)",
+                        _top(path + (key,)),
+                    )
+            else:  # dict or list
+                stack.append((value, path + (key,)))
+
+
+def _check_str(s: str, path: tuple) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad_chars = s[e.start : e.end].encode("utf-8", "backslashreplace").decode()
+        raise bad(
+            f"{_where(path)} is not valid Unicode: {e.reason} at character {e.start} ({bad_chars})",
+            _top(path),
+        ) from None
+
+
+def _top(path: tuple) -> str | None:
+    return str(path[0])[:64] if path else None
+
+
+def _where(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return (out or "body")[:200]
+
+
 # Fields whose feature arrives with a later issue: accepted by name, refused unless neutral.
 _LATER = {
     "tools": (None, []),
@@ -58,25 +137,15 @@ _LATER = {
 _METADATA = {"user", "metadata", "store", "service_tier", "stream_options", "rid"}
 
 
-def _num(
-    body: dict,
-    name: str,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    integer: bool = False,
-) -> Any:
+def _num(body: dict, name: str, bound: str | None = None) -> Any:
+    """``body[name]`` checked against ``limits.BOUNDS[bound or name]`` (None if absent)."""
     value = body.get(name)
     if value is None:
         return None
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok:
-        raise bad(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}", name)
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise bad(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}", name)
-    if hi is not None and value > hi:
-        raise bad(f"{name} must be <= {hi}, got {value}", name)
-    return value
+    try:
+        return check_number(bound or name, value, name)
+    except ParamError as e:
+        raise bad(str(e), name) from None
 
 
 @dataclass
@@ -93,6 +162,7 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt is returned before the completion
     best_of: int = 1  # completions: samples per prompt, the n best returned
     lora: str | None = None  # a LoRA adapter's name (``lora_path``, or the model "BASE:NAME")
+    names: dict[str, str] = field(default_factory=dict)  # Loom's field name -> the request's
 
 
 def _constraints(body: dict[str, Any], sampling: dict[str, Any]) -> None:
@@ -178,14 +248,14 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     )
     for key in body:
         if key not in allowed:
-            raise bad(f"unknown field {key!r}", key)
+            raise bad(f"unknown field {show(key)}", str(key)[:64])
     for key, neutral in _LATER.items():
         if key in body and body[key] not in neutral:
             raise bad(f"{key} is not supported yet", key)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model")
-    n = _num(body, "n", 1, 64, integer=True) or 1
+    n = _num(body, "n") or 1
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream")
@@ -194,66 +264,50 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
         raise bad("stream_options must be an object", "stream_options")
     if opts and not stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
+    # Sampling fields go to SamplingParams under Loom's names and are checked there, once,
+    # with errors naming the field as this request spelled it.
     sampling: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        sampling["max_new_tokens"] = _num(body, key, 1, integer=True)
-    if (t := _num(body, "temperature", 0, 2)) is not None:
-        sampling["temperature"] = t
-    if (p := _num(body, "top_p", 0, 1, lo_open=True)) is not None:
-        sampling["top_p"] = p
-    if (k := _num(body, "top_k", integer=True)) is not None:
-        if k == 0 or k < -1:
-            raise bad(f"top_k must be -1 or >= 1, got {k}", "top_k")
-        sampling["top_k"] = k
-    if (m := _num(body, "min_p", 0, 1)) is not None:
-        sampling["min_p"] = m
-    if (seed := _num(body, "seed", integer=True)) is not None:
-        sampling["sampling_seed"] = seed
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise bad("stop must be a string or a list of non-empty strings", "stop")
-        sampling["stop"] = stops
-    for key in ("ignore_eos", "skip_special_tokens"):
-        if key in body:
-            if not isinstance(body[key], bool):
-                raise bad(f"{key} must be a boolean", key)
-            sampling[key] = body[key]
-    if "stop_token_ids" in body:
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise bad("stop_token_ids must be a list of integers", "stop_token_ids")
-        sampling["stop_token_ids"] = ids
-    for key in ("custom_logit_processor", "custom_params"):
+    names: dict[str, str] = {}
+    for key in (
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "skip_special_tokens",
+        "stop_token_ids",
+        "custom_logit_processor",
+        "custom_params",
+        "no_stop_trim",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "logit_bias",
+    ):
         if body.get(key) is not None:
-            sampling[key] = body[key]
+            loom = OPENAI_NAMES.get(key, key)
+            if loom in sampling:  # max_tokens and max_completion_tokens: the newer name wins
+                if key != "max_completion_tokens":
+                    continue
+            sampling[loom] = body[key]
+            names[loom] = key
     _constraints(body, sampling)
-    for key in ("frequency_penalty", "presence_penalty"):
-        if (v := _num(body, key, -2, 2)) is not None:
-            sampling[key] = v
-    if (v := _num(body, "repetition_penalty", 0, 2, lo_open=True)) is not None:
-        sampling["repetition_penalty"] = v
-    if (v := _num(body, "min_tokens", 0, integer=True)) is not None:
-        sampling["min_new_tokens"] = v
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad("logit_bias must map token ids to numbers", "logit_bias")
-        out = {}
-        for k, v in bias.items():
-            try:
-                tok = int(k)
-            except (TypeError, ValueError):
-                raise bad(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-                raise bad(f"logit_bias[{k}] must be a number in [-100, 100]", "logit_bias")
-            out[tok] = v
-        sampling["logit_bias"] = out
+    try:
+        SamplingParams.from_dict(sampling, names)
+    except ParamError as e:
+        raise bad(str(e), e.param) from None
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if sampling.get("max_new_tokens") == 0:  # OpenAI's minimum (Loom's own API allows 0)
+        key = names["max_new_tokens"]
+        raise bad(f"{key} must be an integer >= 1, got 0", key)
     logprobs, top = _logprobs(body, chat="messages" in known)
-    priority = _num(body, "priority", integer=True)
+    priority = _num(body, "priority")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("cache_salt must be a non-empty string", "cache_salt")
@@ -264,6 +318,7 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
         model, n, stream, bool(opts.get("include_usage")), sampling, priority, salt, logprobs, top
     )
     req.lora = lora
+    req.names = names
     return req
 
 
@@ -273,7 +328,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     if chat:
         if value is not None and not isinstance(value, bool):
             raise bad("logprobs must be a boolean", "logprobs")
-        top = _num(body, "top_logprobs", 0, 20, integer=True)
+        top = _num(body, "top_logprobs", "top_logprobs_num")
         if top and not value:
             raise bad("top_logprobs needs logprobs=true", "top_logprobs")
         return bool(value), top or 0
@@ -281,8 +336,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
         raise bad("top_logprobs is a chat field; completions take logprobs=N", "top_logprobs")
     if value is None or value is False:
         return False, 0
-    n = _num(body, "logprobs", 0, 5, integer=True)
-    return True, n
+    return True, _num(body, "logprobs", "completion_logprobs")
 
 
 def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]]]:
@@ -309,7 +363,9 @@ def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-                parts.append(str(part.get("text", "")))
+                if not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content: a text part needs a string text", "messages")
+                parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
@@ -324,7 +380,7 @@ def parse_completion(body: dict[str, Any]) -> tuple[ParsedRequest, list[str | li
     if echo is not None and not isinstance(echo, bool):
         raise bad("echo must be a boolean", "echo")
     req.echo = bool(echo)
-    best_of = _num(body, "best_of", 1, 20, integer=True)
+    best_of = _num(body, "best_of")
     if best_of is not None:
         if best_of < req.n:
             raise bad(f"best_of must be >= n ({req.n}), got {best_of}", "best_of")
@@ -358,6 +414,20 @@ def parse_completion(body: dict[str, Any]) -> tuple[ParsedRequest, list[str | li
 
 
 def finish_reason(reason: dict[str, Any] | None) -> str | None:
+    """OpenAI's finish_reason: a request that failed (its reason carries a status code) ends
+    with ``"error"``; a client's abort with ``"abort"``."""
     if reason is None:
         return None
+    if reason.get("status_code") is not None:
+        return "error"
     return {"stop": "stop", "length": "length"}.get(reason.get("type"), reason.get("type"))
+
+
+def output_error(meta: dict[str, Any]) -> APIError | None:
+    """The error of a request that failed after submission (in the scheduler, or the scheduler
+    itself), from its last ``meta_info``; None if it did not fail."""
+    if meta.get("error") is None:
+        return None
+    reason = meta.get("finish_reason") or {}
+    status = reason.get("status_code") or 500
+    return APIError(status, str(meta["error"]), reason.get("param"))
