@@ -43,9 +43,7 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize(
-    "field,value", HOSTILE, ids=[f"{f}={str(v)[:12]}" for f, v in HOSTILE]
-)
+@pytest.mark.parametrize("field,value", HOSTILE, ids=[f"{f}={str(v)[:12]}" for f, v in HOSTILE])
 def test_hostile_sampling_params_are_refused_by_name(engine, field, value):
     with pytest.raises(ValueError) as info:
         engine.generate("Hello", {**GREEDY, field: value})

@@ -536,11 +536,11 @@ BAD = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi" * 10000}, 400, "prompt"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -2}}, 400, "temperature"),
-    ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, None),
+    ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, "nope"),
     ("/abort_request", {}, 400, "rid"),
     ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": 5}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": MESSAGES, "priority": "high"}, 400, "priority"),
-    ("/generate", {"text": "hi", "extra_key": 3}, 400, None),
+    ("/generate", {"text": "hi", "extra_key": 3}, 400, "extra_key"),
     # LoRA is off on this server
     ("/generate", {"text": "hi", "lora_path": "sql"}, 400, None),
     ("/v1/chat/completions", {"messages": MESSAGES, "lora_path": 3}, 400, "lora_path"),

@@ -201,24 +201,31 @@ class Engine:
 
     def _on_failure(self, error: BaseException) -> None:
         self._loop_error = error
+        self.end_all(f"the scheduler has failed: {error}")
+        for hook in list(self.on_failure_hooks):
+            hook(error)
+
+    def end_all(self, message: str, status: int = 503) -> int:
+        """End every request in flight with an error (``status``: the HTTP status its client
+        gets) and abort it in the scheduler; returns how many there were. Used when the
+        scheduler dies and when the server shuts down with requests still running."""
         with self._states_lock:
             states = list(self._states.values())
-        message = f"the scheduler has failed: {error}"
         for st in states:
             out = ReqOutput(
                 st.rid,
                 [],
                 st.prompt_tokens,
                 len(st.output_ids),
-                finished_reason={"type": "abort", "message": message, "status_code": 503},
+                finished_reason={"type": "abort", "message": message, "status_code": status},
                 error=message,
             )
             if st.shared:  # a batch's queue takes lists
                 st.outputs.put([out])
             else:
                 self._put(st, out)
-        for hook in list(self.on_failure_hooks):
-            hook(error)
+            self.abort_request(st.rid)
+        return len(states)
 
     @staticmethod
     def _put(st: _ReqState, out: ReqOutput) -> None:

@@ -1,4 +1,15 @@
-"""``loom serve``: the front end in this process, the scheduler in a child process."""
+"""``loom serve``: the front end in this process, the scheduler in a child process.
+
+Shutdown always completes within ``EXIT_DEADLINE_S`` of SIGTERM / SIGINT (or of the scheduler's
+death, which raises SIGTERM here), whatever state either process is in:
+1. uvicorn stops accepting connections and lets running requests finish;
+2. after ``DRAIN_S`` the requests still running end with a 503 error (an error event on a
+   stream), so no client sees a cut connection or a normal-looking empty answer;
+3. the lifespan hook stops the scheduler (asked, then killed after a few seconds);
+4. a watchdog thread, started by the first signal, kills the scheduler and exits the process at
+   the deadline if anything above hangs (Python runs signal handlers only on the main thread
+   between bytecodes, so the watchdog itself runs on a thread of its own).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +17,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 logger = logging.getLogger("loom.serve")
+
+DRAIN_S = 4.0  # running requests may finish this long after the signal
+EXIT_DEADLINE_S = 9.5  # the process is gone by then, in any case
 
 
 def serve(server_kwargs: dict[str, Any]) -> int:
@@ -34,9 +49,19 @@ def serve(server_kwargs: dict[str, Any]) -> int:
     engine.on_failure_hooks.append(on_failure)
     app = create_app(engine)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=DRAIN_S + 1.0,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            _start_shutdown_timers(engine)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     name = args.served_model_name or args.model
     print(
         f"Loom is serving {name!r} at http://{args.host}:{args.port} "
@@ -48,3 +73,33 @@ def serve(server_kwargs: dict[str, Any]) -> int:
     finally:
         engine.shutdown()
     return 1 if failed else 0
+
+
+_timers_started = threading.Event()
+
+
+def _start_shutdown_timers(engine) -> None:
+    if _timers_started.is_set():
+        return
+    _timers_started.set()
+
+    def drain() -> None:
+        n = engine.end_all("the server is shutting down")
+        if n:
+            logger.warning("ended %d running request(s): the server is shutting down", n)
+
+    def deadline() -> None:
+        print(
+            f"loom serve: shutdown did not complete within {EXIT_DEADLINE_S} s; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        process = getattr(engine.backend, "process", None)
+        if process is not None and process.is_alive():
+            process.kill()
+        os._exit(1)
+
+    for delay, fn in ((DRAIN_S, drain), (EXIT_DEADLINE_S, deadline)):
+        timer = threading.Timer(delay, fn)
+        timer.daemon = True
+        timer.start()

@@ -95,9 +95,9 @@ def _check_tree(body: Any) -> None:
                 _check_str(value, path + (key,))
             elif t is float:
                 if value != value or value in (float("inf"), float("-inf")):
-                    where = _where(path + (key,))
+                    literal = "NaN" if value != value else ("-" if value < 0 else "") + "Infinity"
                     raise bad(
-                        f"{where}: {value} is not a number JSON allows (no NaN or Infinity)",
+                        f"{_where(path + (key,))}: {literal} is not a number JSON allows",
                         _top(path + (key,)),
                     )
             else:  # dict or list
