@@ -512,6 +512,7 @@ def test_step_profile_counts_the_wait_for_the_inflight_decode_as_decode():
 
     sched = object.__new__(Scheduler)
     sched.stats = SchedulerStats()
+    sched._failed, sched._live = [], {}
 
     def fake_step():
         sched._tail_s = 0.03  # resolved the in-flight decode step

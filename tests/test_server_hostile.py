@@ -201,6 +201,27 @@ small_or_refused = st.one_of(
     st.integers(1, 4),
     st.sampled_from([0, -1, 2**63, 10**12, 9000, 1.5, "4", None, True, float("nan")]),
 )
+# Fields whose hostile values should also reach deeper code: valid names and shapes with
+# hostile contents.
+PROCESSORS = ["disallowed_tokens", "thinking_budget", "no_repeat_ngram"]
+TAILORED = {
+    "custom_logit_processor": st.sampled_from(PROCESSORS) | hostile,
+    "custom_params": st.fixed_dictionaries(
+        {},
+        optional={"token_ids": hostile, "budget": hostile, "think_end_ids": hostile, "n": hostile},
+    )
+    | hostile,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["json_schema", "json_object", "text", "structural_tag", "x"])},
+        optional={
+            "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": hostile})
+            | hostile
+        },
+    )
+    | hostile,
+    "regex": st.sampled_from(["[a-z]+", "(unclosed", "\\d{2,3}", "", "\ud800"]) | hostile,
+    "json_schema": st.sampled_from(['{"type": "integer"}', "{bad", "[]"]) | hostile,
+}
 SAMPLING = [
     "temperature",
     "top_p",
@@ -246,6 +267,8 @@ NATIVE = [
     "bogus",
 ]
 NATIVE_SAMPLING = [
+    "custom_logit_processor",
+    "custom_params",
     "temperature",
     "top_p",
     "top_k",
@@ -275,7 +298,7 @@ def request_bodies(draw) -> tuple[str, bytes]:
         if isinstance(body.get("sampling_params"), dict):
             sp = body["sampling_params"]
             for key in draw(st.lists(st.sampled_from(NATIVE_SAMPLING), max_size=3, unique=True)):
-                sp[key] = draw(hostile)
+                sp[key] = draw(TAILORED.get(key, hostile))
             sp["max_new_tokens"] = draw(small_or_refused)
         if draw(st.booleans()):
             body["text"] = draw(hostile)
@@ -292,7 +315,7 @@ def request_bodies(draw) -> tuple[str, bytes]:
             for key in draw(st.lists(st.sampled_from(["echo", "best_of", "suffix"]), max_size=1)):
                 body[key] = draw(hostile)
         for key in draw(st.lists(st.sampled_from(SAMPLING), max_size=3, unique=True)):
-            body[key] = draw(hostile)
+            body[key] = draw(TAILORED.get(key, hostile))
         if draw(st.booleans()):
             body["max_completion_tokens"] = draw(small_or_refused)
     raw = json.dumps(body, allow_nan=True).encode()
@@ -334,7 +357,7 @@ FUZZ = {"requests": 0, "shapes": set(), "statuses": {}}
 
 
 @settings(
-    max_examples=30,
+    max_examples=40,
     deadline=None,
     derandomize=True,  # the same bodies on every run: CI stays deterministic
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -437,7 +460,25 @@ def test_scheduler_death_ends_requests_with_errors_and_exits_in_time():
     )
 
 
-def test_sigterm_under_load_exits_in_time_with_honest_errors():
+def _openai_stream(url: str, out: list) -> None:
+    from openai import APIError, OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        for chunk in client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=4000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            out.append(chunk)
+    except APIError as e:
+        out.append(e)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, "SIGTERM, scheduler stopped"])
+def test_shutdown_under_load_exits_in_time_with_honest_errors(sig):
     s = Server("--log-level", "info")
     try:
         # a client that promises more body than it sends, then goes away
@@ -447,20 +488,24 @@ def test_sigterm_under_load_exits_in_time_with_honest_errors():
                 b'Content-Length: 1000\r\n\r\n{"prompt": '
             )
             time.sleep(0.2)
-        streams = [[] for _ in range(4)]
+        streams = [[] for _ in range(3)]
         threads = [
             threading.Thread(
                 target=_stream_events, args=(s.url + CHAT, {**LONG, "stream": True}, out)
             )
             for out in streams
         ]
+        via_openai: list = []
+        threads.append(threading.Thread(target=_openai_stream, args=(s.url, via_openai)))
         for t in threads:
             t.start()
-        while not all(len(out) >= 3 for out in streams):
+        while not all(len(out) >= 3 for out in [*streams, via_openai]):
             time.sleep(0.05)
         children = s.children
+        if not isinstance(sig, int):  # a scheduler that answers nothing any more
+            os.kill(s.scheduler_pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        s.proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(sig if isinstance(sig, int) else signal.SIGTERM)
         rc = s.proc.wait(timeout=15)
         exit_s = time.monotonic() - t0
         for t in threads:
@@ -469,13 +514,17 @@ def test_sigterm_under_load_exits_in_time_with_honest_errors():
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    print(f"\nexit {exit_s:.2f} s after SIGTERM with 4 streams running")
-    assert exit_s < 10 and rc in (0, -signal.SIGTERM), (rc, out[-2000:])
+    print(f"\nexit {exit_s:.2f} s after {sig} with 4 streams running")
+    assert exit_s < 10, (rc, out[-2000:])
+    assert rc in (0, 130, -signal.SIGTERM), (rc, out[-2000:])  # 130: Ctrl-C's exit status
     time.sleep(0.5)
     assert children and not any(_alive(p) for p in children)
     # each stream ended with the shutdown's error, not a cut connection
     for events in streams:
         assert events[-1] == "[DONE]", events[-3:]
         assert any("shutting down" in e for e in events if isinstance(e, str)), events[-3:]
+    from openai import APIError
+
+    assert isinstance(via_openai[-1], APIError) and "shutting down" in str(via_openai[-1])
     assert "Traceback" not in out, out[-3000:]
     assert out.count("client disconnected while sending the body") == 1, out[-3000:]

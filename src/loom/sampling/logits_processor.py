@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from loom.sampling.limits import INT32_MAX
+
 
 class TokenHistory(list):
     """A request's prompt + output ids; ``prompt_len`` is where the output starts."""
@@ -94,7 +96,9 @@ class ThinkingBudgetProcessor(LogitsProcessor):
         if (
             not isinstance(ids, list)
             or not ids
-            or not all(isinstance(i, int) and i >= 0 for i in ids)
+            or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT32_MAX for i in ids
+            )
         ):
             raise ValueError("thinking_budget needs custom_params think_end_ids: [token ids]")
 
@@ -106,7 +110,7 @@ class ThinkingBudgetProcessor(LogitsProcessor):
                 continue
             # how much of the end sequence the output already ends with (forcing in progress)
             done = next((k for k in range(len(end) - 1, 0, -1) if out[-k:] == end[:k]), 0)
-            if len(out) - done >= budget:
+            if len(out) - done >= budget and end[done] < logits.shape[-1]:
                 _force(logits[row], end[done])
         return logits
 

@@ -70,6 +70,8 @@ def serve(server_kwargs: dict[str, Any]) -> int:
     )
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
+        return 130
     finally:
         engine.shutdown()
     return 1 if failed else 0
