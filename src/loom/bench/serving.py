@@ -34,6 +34,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
 
 
 async def _one(client, url: str, ids: list[int], n_out: int, headers: dict) -> dict[str, Any]:
+    import httpx
+
     body = {
         "input_ids": ids,
         "stream": True,
@@ -42,19 +44,25 @@ async def _one(client, url: str, ids: list[int], n_out: int, headers: dict) -> d
     start = time.perf_counter()
     times: list[float] = []
     count, error = 0, None
-    async with client.stream("POST", url, json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
-        else:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                new = len(chunk["output_ids"]) - count
-                if new > 0:
-                    now = time.perf_counter()
-                    times.extend([now] * new)
-                    count += new
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # the request failed after its stream started
+                        error = f"error event: {chunk['error'].get('message')}"
+                        continue
+                    new = len(chunk["output_ids"]) - count
+                    if new > 0:
+                        now = time.perf_counter()
+                        times.extend([now] * new)
+                        count += new
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     return {
         "start": start,

@@ -39,12 +39,18 @@ def serve(server_kwargs: dict[str, Any]) -> int:
     engine = Engine(backend="process", **server_kwargs)
     args = engine.server_args
     failed: list[BaseException] = []
+    servers: list = []
 
     def on_failure(error: BaseException) -> None:
-        # The survivor exits with a clear message: stop uvicorn as on Ctrl-C.
+        # The survivor exits with a clear message and status 1, by the same sequence as on
+        # SIGTERM (called on the engine's receiving thread; uvicorn polls should_exit).
         failed.append(error)
         print(f"loom serve: {error}; shutting down", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        _start_shutdown_timers(engine)
+        if servers:
+            servers[0].should_exit = True
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     engine.on_failure_hooks.append(on_failure)
     app = create_app(engine)
@@ -62,6 +68,7 @@ def serve(server_kwargs: dict[str, Any]) -> int:
             super().handle_exit(sig, frame)
 
     server = Server(config)
+    servers.append(server)
     name = args.served_model_name or args.model
     print(
         f"Loom is serving {name!r} at http://{args.host}:{args.port} "
