@@ -1154,7 +1154,7 @@ class Scheduler:
         sampled = _InflightStep.start(done_reqs, self._sample_device(logits[done], done_reqs))
         new = [reqs[i] for i in done if not items[i].decode]
         if defer:
-            self.running += new
+            self.running += [r for r in new if not r.is_finished]  # (failed while sampling)
             self._inflight_prefill = sampled
             return []
         outputs = self._resolve_prefill(sampled)
@@ -1165,11 +1165,7 @@ class Scheduler:
         """Wait for a prefill step's first tokens and apply them (requests aborted meanwhile
         are skipped)."""
         tokens, lps = sampled.host_results(self.stats)
-        outputs = [
-            out
-            for req, tok, lp in zip(sampled.reqs, tokens, lps, strict=True)
-            if not req.is_finished and (out := self._append_or_fail(req, tok, lp)) is not None
-        ]
+        outputs = self._append_all(zip(sampled.reqs, tokens, lps, strict=True))
         self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
@@ -1226,16 +1222,11 @@ class Scheduler:
 
     def _resolve(self, inflight: _InflightStep) -> list[ReqOutput]:
         """Wait for a launched decode step's tokens and apply them."""
-        outputs = []
         t, waited = time.perf_counter(), self.stats.time_device_wait_s
         tokens, lps = inflight.host_results(self.stats)
         if inflight.begin is not None:
             self._time_on_device(inflight)
-        for req, tok, lp in zip(inflight.reqs, tokens, lps, strict=True):
-            if req.is_finished:  # finished by the step before (overlap ran one step past it)
-                continue
-            if (out := self._append_or_fail(req, tok, lp)) is not None:
-                outputs.append(out)
+        outputs = self._append_all(zip(inflight.reqs, tokens, lps, strict=True))
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
         dt = time.perf_counter() - t - (self.stats.time_device_wait_s - waited)
@@ -1647,14 +1638,22 @@ class Scheduler:
         backend.reset_vocab_mask(mask)
         return mask
 
-    def _append_or_fail(self, req: Req, token: int, logprob) -> ReqOutput | None:
-        """``_append_token``, or None with the request failed if that raised (its grammar
-        matcher, say): one request's failure is not its batch's."""
-        try:
-            return self._append_token(req, token, logprob)
-        except Exception as e:  # noqa: BLE001 - isolated to this request
-            self._fail_in_step(req, e)
-            return None
+    def _append_all(self, rows) -> list[ReqOutput]:
+        """``_append_token`` over a step's (req, token, logprob) rows, skipping requests that
+        finished meanwhile (overlap ran one step past them); a request whose append raised (its
+        grammar matcher, say) fails alone and the rest go on. (One ``try`` around the loop,
+        resumed on the same iterator: nothing per row on the way that does not fail.)"""
+        outputs: list[ReqOutput] = []
+        rows = iter(rows)
+        req = None
+        while True:
+            try:
+                for req, tok, lp in rows:
+                    if not req.is_finished:
+                        outputs.append(self._append_token(req, tok, lp))
+                return outputs
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                self._fail_in_step(req, e)
 
     def _append_token(self, req: Req, token: int, logprob=None) -> ReqOutput:
         req.output_ids.append(token)
