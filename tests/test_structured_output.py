@@ -171,7 +171,8 @@ def test_bad_constraints_are_refused_and_the_engine_keeps_serving(gengine):
 
 
 def test_response_format_through_the_http_parser():
-    from loom.server.protocol import APIError, parse_chat
+    from loom.server.errors import APIError
+    from loom.server.protocol import parse_chat
 
     msgs = [{"role": "user", "content": "hi"}]
     req, _ = parse_chat({"messages": msgs, "response_format": {"type": "json_object"}})

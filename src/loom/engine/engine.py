@@ -156,7 +156,6 @@ class Engine:
         return ids
 
     def get_server_info(self) -> dict[str, Any]:
-
         return {
             **dataclasses.asdict(self.server_args),
             **self.info,

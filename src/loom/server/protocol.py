@@ -10,121 +10,7 @@ from typing import Any
 
 from loom.sampling.limits import OPENAI_NAMES, ParamError, check_number, show
 from loom.sampling.sampling_params import SamplingParams
-
-
-class APIError(Exception):
-    """An error with an HTTP status, in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_ or {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            404: "not_found_error",
-            503: "service_unavailable",
-        }.get(status, "server_error")
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
-
-
-# Deeper JSON than any request needs (a response_format schema nests a few levels per level of
-# its data); deeper bodies are refused before anything recurses over them.
-MAX_JSON_DEPTH = 64
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """A request body as JSON, or a 400 naming what is wrong with it: not UTF-8, malformed,
-    nested deeper than ``MAX_JSON_DEPTH``, a NaN or Infinity (not JSON, though Python's
-    parser takes them), or text that is not valid Unicode (a lone surrogate such as
-    ``"\\ud800"``, which has no UTF-8 form and fails tokenizers and chat templates)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise bad(f"the request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        body = json.loads(text or "null")
-    except RecursionError:
-        raise bad(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
-        raise bad(f"malformed JSON body: {e}") from None
-    _check_tree(body)
-    return body
-
-
-def _check_tree(body: Any) -> None:
-    """Depth, finite numbers and valid Unicode everywhere in a parsed body (iteratively: no
-    recursion over client data)."""
-    if not isinstance(body, (dict, list)):
-        return  # (a route refuses a body that is not an object)
-    stack: list[tuple[Any, tuple]] = [(body, ())]
-    while stack:
-        node, path = stack.pop()
-        if len(path) >= MAX_JSON_DEPTH:
-            raise bad(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", _top(path))
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, value in items:
-            if isinstance(key, str):
-                _check_str(key, path + (key,))
-            t = type(value)
-            if t is int or t is bool or value is None:
-                continue
-            if t is str:
-                _check_str(value, path + (key,))
-            elif t is float:
-                if value != value or value in (float("inf"), float("-inf")):
-                    literal = "NaN" if value != value else ("-" if value < 0 else "") + "Infinity"
-                    raise bad(
-                        f"{_where(path + (key,))}: {literal} is not a number JSON allows",
-                        _top(path + (key,)),
-                    )
-            else:  # dict or list
-                stack.append((value, path + (key,)))
-
-
-def _check_str(s: str, path: tuple) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad_chars = s[e.start : e.end].encode("utf-8", "backslashreplace").decode()
-        raise bad(
-            f"{_where(path)} is not valid Unicode: {e.reason} at character {e.start} ({bad_chars})",
-            _top(path),
-        ) from None
-
-
-def _top(path: tuple) -> str | None:
-    return str(path[0])[:64] if path else None
-
-
-def _where(path: tuple) -> str:
-    out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return (out or "body")[:200]
-
+from loom.server.errors import APIError, bad
 
 # Fields whose feature arrives with a later issue: accepted by name, refused unless neutral.
 _LATER = {
@@ -133,6 +19,29 @@ _LATER = {
     "parallel_tool_calls": (None, True, False),
     "suffix": (None, ""),
 }
+# OpenAI (and SGLang-extension) sampling fields, checked by SamplingParams under Loom's names;
+# max_completion_tokens after max_tokens: the newer name wins when both are given.
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "skip_special_tokens",
+    "stop_token_ids",
+    "custom_logit_processor",
+    "custom_params",
+    "no_stop_trim",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+)
 # Metadata that does not change generation.
 _METADATA = {"user", "metadata", "store", "service_tier", "stream_options", "rid"}
 
@@ -213,35 +122,17 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
         known
         | set(_LATER)
         | _METADATA
+        | set(_SAMPLING_FIELDS)
         | {
             "model",
             "n",
             "stream",
-            "max_tokens",
-            "max_completion_tokens",
-            "temperature",
-            "top_p",
-            "stop",
-            "seed",
-            "top_k",
-            "min_p",
-            "ignore_eos",
-            "skip_special_tokens",
-            "stop_token_ids",
-            "custom_logit_processor",
-            "custom_params",
-            "no_stop_trim",
             "priority",
             "cache_salt",
             "lora_path",
             "response_format",
             "regex",
             "ebnf",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-            "logit_bias",
-            "min_tokens",
             "logprobs",
             "top_logprobs",
         }
@@ -268,32 +159,9 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     # with errors naming the field as this request spelled it.
     sampling: dict[str, Any] = {}
     names: dict[str, str] = {}
-    for key in (
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "ignore_eos",
-        "skip_special_tokens",
-        "stop_token_ids",
-        "custom_logit_processor",
-        "custom_params",
-        "no_stop_trim",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_tokens",
-        "logit_bias",
-    ):
+    for key in _SAMPLING_FIELDS:
         if body.get(key) is not None:
             loom = OPENAI_NAMES.get(key, key)
-            if loom in sampling:  # max_tokens and max_completion_tokens: the newer name wins
-                if key != "max_completion_tokens":
-                    continue
             sampling[loom] = body[key]
             names[loom] = key
     _constraints(body, sampling)

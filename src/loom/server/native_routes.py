@@ -1,0 +1,239 @@
+"""SGLang's native routes: ``/generate``, health and info, the prefix cache, LoRA adapters,
+aborts, and Prometheus ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from loom.sampling.limits import show
+from loom.server.context import ServerContext
+from loom.server.errors import APIError, bad, value_error
+from loom.server.protocol import output_error
+from loom.server.streaming import chained, collect, first_of, sse, stream_response
+
+_GENERATE_FIELDS = {
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "priority",
+    "extra_key",
+    "lora_path",
+}
+
+
+def router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    engine, args, model_name, metrics = ctx.engine, ctx.args, ctx.model_name, ctx.metrics
+    body_of, admit, choice_params, adapters = ctx.body, ctx.admit, ctx.choice_params, ctx.adapters
+
+    @router.post("/generate")
+    async def generate(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        for key in body:
+            if key not in _GENERATE_FIELDS:
+                raise bad(f"unknown field {show(key)}", key[:64])
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise bad("give exactly one of text or input_ids", "text")
+        if text is not None:
+            batch = isinstance(text, list)
+            items = [(t, None) for t in (text if batch else [text])]
+        else:
+            if not isinstance(input_ids, list):
+                raise bad("input_ids must be a list of token ids (or of such lists)", "input_ids")
+            batch = bool(input_ids) and isinstance(input_ids[0], list)
+            items = [(None, ids) for ids in (input_ids if batch else [input_ids])]
+        if not items:
+            raise bad("the batch is empty", "text" if text is not None else "input_ids")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("stream must be a boolean", "stream")
+        params = body.get("sampling_params") or {}
+        params_list = params if isinstance(params, list) else [params] * len(items)
+        per_item = {}
+        for key in ("rid", "priority", "extra_key", "lora_path"):
+            v = body.get(key)
+            per_item[key] = v if isinstance(v, list) else [v] * len(items)
+            if len(per_item[key]) != len(items):
+                raise bad(f"{key} list must match the batch size", key)
+        if not all(r is None or isinstance(r, str) for r in per_item["rid"]):
+            raise bad("rid must be a string (or a list of strings for a batch)", "rid")
+        if len(params_list) != len(items):
+            raise bad("sampling_params list must match the batch size", "sampling_params")
+        rids = list(
+            zip(
+                per_item["rid"],
+                per_item["priority"],
+                per_item["extra_key"],
+                per_item["lora_path"],
+                strict=True,
+            )
+        )
+        lp_kw = {
+            k: body[k]
+            for k in ("return_logprob", "top_logprobs_num", "logprob_start_len")
+            if k in body
+        }
+        expanded = []  # n > 1: n requests per prompt (seeded ones get seed + i)
+        for item, sp, meta in zip(items, params_list, rids, strict=True):
+            if not isinstance(sp, dict):
+                raise bad("sampling_params must be an object", "sampling_params")
+            n = sp.get("n", 1)
+            if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 64:
+                batch = True
+                for i in range(n):
+                    r = f"{meta[0]}-{i}" if meta[0] else None
+                    expanded.append((item, choice_params(sp, n, i), (r, *meta[1:])))
+            else:
+                expanded.append((item, sp, meta))
+        admit(len(expanded))
+        streams = []
+        for (t, ids), sp, (r, prio, key, lora) in expanded:
+            try:
+                streams.append(
+                    await engine.async_generate(
+                        prompt=t,
+                        input_ids=ids,
+                        sampling_params=sp,
+                        rid=r,
+                        stream=True,
+                        priority=prio,
+                        extra_key=key,
+                        lora_path=lora,
+                        **lp_kw,
+                    )
+                )
+            except ValueError as e:
+                for s in streams:
+                    await s.aclose()
+                raise value_error(e) from e
+        if not stream:
+            results = await collect(request, streams)
+            for r in results:  # whole-request logprob lists in meta_info, as SGLang returns
+                lps, tops = r.pop("logprobs"), r.pop("top")
+                if "output_token_logprobs" in r["meta_info"]:
+                    r["meta_info"]["output_token_logprobs"] = lps
+                if "output_top_logprobs" in r["meta_info"]:
+                    r["meta_info"]["output_top_logprobs"] = tops
+            return results if batch else results[0]
+
+        first, rest = await first_of(request, streams)
+
+        async def events():
+            acc = [{"text": "", "output_ids": []} for _ in streams]
+            async for i, inc in chained(first, rest):
+                acc[i]["text"] += inc["text"]
+                acc[i]["output_ids"] += inc["output_ids"]
+                out = {
+                    "text": acc[i]["text"],
+                    "output_ids": list(acc[i]["output_ids"]),
+                    "meta_info": inc["meta_info"],
+                }
+                if batch:
+                    out["index"] = i
+                yield sse(out)
+                if (err := output_error(inc["meta_info"])) is not None:
+                    yield sse(err.body())
+            yield b"data: [DONE]\n\n"
+
+        return stream_response(events(), rest)
+
+    @router.get("/health")
+    async def health():
+        if engine._loop_error is not None:
+            raise APIError(503, f"the scheduler has failed: {engine._loop_error}")
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate():
+        try:
+            out = await asyncio.wait_for(
+                engine.async_generate(
+                    input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}
+                ),
+                60,
+            )
+        except Exception as e:
+            raise APIError(503, f"generation failed: {e}") from e
+        if out["meta_info"]["completion_tokens"] != 1:
+            raise APIError(503, "generation produced no token")
+        return Response(status_code=200)
+
+    @router.get("/model_info")
+    @router.get("/get_model_info")
+    async def model_info():
+        return {
+            "model_path": engine.model_path,
+            "served_model_name": model_name,
+            "tokenizer_path": args.tokenizer_path or engine.model_path,
+            "is_generation": True,
+            "architecture": engine.info["architecture"],
+            "context_length": engine.context_len,
+        }
+
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info():
+        return engine.get_server_info()
+
+    @router.post("/flush_cache")
+    async def flush_cache():
+        engine.flush_cache()
+        return Response(
+            "Cache flush requested (done when no request is running).\n", status_code=200
+        )
+
+    @router.post("/load_lora_adapter")
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        for key in ("lora_name", "lora_path"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise bad(f"load_lora_adapter needs a non-empty string {key!r}", key)
+        try:
+            await asyncio.to_thread(engine.load_lora_adapter, body["lora_name"], body["lora_path"])
+        except ValueError as e:
+            raise value_error(e) from e
+        return {"success": True, "loaded_adapters": adapters()}
+
+    @router.post("/unload_lora_adapter")
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise bad('unload_lora_adapter needs {"lora_name": "..."}', "lora_name")
+        try:
+            await asyncio.to_thread(engine.unload_lora_adapter, body["lora_name"])
+        except ValueError as e:
+            raise value_error(e) from e
+        return {"success": True, "loaded_adapters": adapters()}
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+            raise bad('abort_request needs {"rid": "..."}', "rid")
+        engine.abort_request(body["rid"])
+        return Response(status_code=200)
+
+    if metrics is not None:
+
+        @router.get("/metrics")
+        async def metrics_route():
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router

@@ -1,0 +1,137 @@
+"""Streaming helpers shared by the routes: several engine streams merged into one, whole results
+collected, the first increment awaited before a streamed response starts, and SSE framing with
+an error event for a failure after the status line is sent."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from loom.server.errors import APIError
+from loom.server.protocol import output_error
+
+logger = logging.getLogger(__name__)
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream whose failure after the response started ends it with an error event in
+    OpenAI's shape (the status line is already sent) instead of a cut connection."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except Exception as e:  # noqa: BLE001 - any failure of the route's own code
+        logger.exception("stream failed")
+        yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        yield b"data: [DONE]\n\n"
+
+
+async def merged(streams: list[AsyncIterator[dict[str, Any]]]):
+    """Yield (index, increment) from several streams as they arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for inc in s:
+                await queue.put((i, inc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, inc = await queue.get()
+            if inc is None:
+                live -= 1
+            else:
+                yield i, inc
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            with contextlib.suppress(Exception):
+                await s.aclose()
+
+
+async def until_done(request: Request, task: asyncio.Task) -> Any:
+    """``task``'s result; cancelled (which aborts its streams) if the client goes away."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # merged()'s cleanup closes the streams, which aborts them
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(499, "client disconnected")
+    return task.result()
+
+
+async def collect(request: Request, streams) -> list[dict[str, Any]]:
+    """Gather whole results; abort everything if the client goes away first. A request
+    that failed after submission makes the response its error (4xx / 5xx)."""
+    results = [
+        {"text": "", "output_ids": [], "meta_info": {}, "logprobs": [], "top": []} for _ in streams
+    ]
+
+    async def run():
+        async for i, inc in merged(streams):
+            err = output_error(inc["meta_info"])
+            if err is not None:
+                raise err  # (merged()'s cleanup aborts the other streams)
+            r = results[i]
+            r["text"] += inc["text"]
+            r["output_ids"] += inc["output_ids"]
+            r["meta_info"] = inc["meta_info"]
+            r["logprobs"] += inc["meta_info"].get("output_token_logprobs", [])
+            r["top"] += inc["meta_info"].get("output_top_logprobs", [])
+
+    await until_done(request, asyncio.create_task(run()))
+    return results
+
+
+async def first_of(request: Request, streams):
+    """The first increment of ``streams`` and the rest of them (``merged``), waited for
+    before a streamed response starts: a request that fails before its first token gets
+    its error as the response's status, in OpenAI's shape."""
+    rest = merged(streams)
+
+    async def pull():
+        return await rest.__anext__()
+
+    try:
+        first = await until_done(request, asyncio.create_task(pull()))
+    except BaseException:
+        await rest.aclose()
+        raise
+    err = output_error(first[1]["meta_info"])
+    if err is not None:
+        await rest.aclose()
+        raise err
+    return first, rest
+
+
+async def chained(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def stream_response(events: AsyncIterator[bytes], rest) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in guarded(events):
+                yield chunk
+        finally:  # a client gone mid-stream: its requests are aborted now, not when collected
+            await rest.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
