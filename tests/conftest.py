@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from filelock import FileLock
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (set before any import
 # of triton, which Loom does lazily).
@@ -56,28 +57,34 @@ def smol_gguf() -> str:
 def hf_ref_dir(smol_gguf: str) -> str:
     """SmolLM2 as HF transformers itself loads it from the GGUF (the oracle), saved once."""
     out = CACHE / "hf-ref" / "smollm2-135m-instruct-v2"
-    if not (out / "done").exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        d, f = os.path.dirname(smol_gguf), os.path.basename(smol_gguf)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-        out.mkdir(parents=True, exist_ok=True)
-        # save_pretrained refuses GGUF-"quantized" models; the weights are plain fp32 tensors.
-        from safetensors.torch import save_file
-
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-        config = model.config
-        config.architectures = [type(model).__name__]
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(out)
-        tok.save_pretrained(out)
-        (out / "done").touch()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CACHE / "hf-ref.lock")):  # test workers (pytest-xdist) build it once
+        if not (out / "done").exists():
+            _save_hf_ref(smol_gguf, out)
     return str(out)
+
+
+def _save_hf_ref(smol_gguf: str, out: pathlib.Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.dirname(smol_gguf), os.path.basename(smol_gguf)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    out.mkdir(parents=True, exist_ok=True)
+    # save_pretrained refuses GGUF-"quantized" models; the weights are plain fp32 tensors.
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "done").touch()
 
 
 @pytest.fixture(scope="session")

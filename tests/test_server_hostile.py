@@ -360,6 +360,7 @@ FUZZ = {"requests": 0, "shapes": set(), "statuses": {}}
     max_examples=40,
     deadline=None,
     derandomize=True,  # the same bodies on every run: CI stays deterministic
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(batch=st.lists(request_bodies(), min_size=6, max_size=6))

@@ -1,9 +1,10 @@
-"""The Python API: ``loom.Engine``.
+"""The Python API: ``loom.Engine``, the front end and its wiring.
 
-The engine runs the scheduler loop in a background thread that owns the model (the HTTP server,
-which comes next, will run the same loop in a process of its own). Callers submit requests through a queue and collect
-``ReqOutput``s from a per-request queue; tokenisation, detokenisation and stop strings happen on
-the caller's side, so the loop never waits on them.
+The engine runs the scheduler loop on a backend (``backends.py``): a thread of this process
+(offline) or a process of its own (``loom serve``). Callers submit requests, checked first
+(``validation.py``), through one message per call, and collect ``ReqOutput``s from a
+per-request (or per-batch) queue; detokenising and stop strings (``outputs.py``) happen on the
+caller's side, so the loop never waits on them. ``streams.py`` holds the stream objects.
 """
 
 from __future__ import annotations
@@ -19,38 +20,19 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from loom import plugins
 from loom.config import ServerArgs
+from loom.engine.outputs import ReqState, apply_output, final_result
+from loom.engine.streams import AsyncStream, SyncStream
 from loom.engine.tokenizer_manager import IncrementalDetokenizer, TokenizerManager
-from loom.sampling.limits import ParamError, check_context, check_number, show
+from loom.engine.validation import check_options, logprob_options, prepare_request
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.loop import SchedulerBatchOut
 from loom.scheduler.request import Req, ReqOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ReqState:
-    rid: str
-    prompt_tokens: int
-    params: SamplingParams
-    outputs: queue.Queue | asyncio.Queue
-    loop: asyncio.AbstractEventLoop | None = None
-    detok: IncrementalDetokenizer | None = None
-    output_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    start: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None  # stamped on the backend's thread
-    last_token_time: float | None = None
-    finish_time: float | None = None
-    emitted: int = 0  # characters of the detokenized text already handed to the caller
-    logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
-    # the queue is a batch's (``Engine._wait_all``): a step's outputs for it arrive as one list
-    shared: bool = False
 
 
 class Engine:
@@ -95,7 +77,7 @@ class Engine:
                     f"no tokenizer found at {path}; pass --tokenizer-path or --skip-tokenizer-init"
                 )
         self.eos_token_ids = self._eos_ids(tokenizer)
-        self._states: dict[str, _ReqState] = {}
+        self._states: dict[str, ReqState] = {}
         self._control: dict[str, queue.Queue] = {}  # replies to control messages, by id
         self._states_lock = threading.Lock()
         self._loop_error: BaseException | None = None
@@ -227,7 +209,7 @@ class Engine:
         return len(states)
 
     @staticmethod
-    def _put(st: _ReqState, out: ReqOutput) -> None:
+    def _put(st: ReqState, out: ReqOutput) -> None:
         if st.loop is not None:
             st.loop.call_soon_threadsafe(st.outputs.put_nowait, out)
         else:
@@ -247,66 +229,16 @@ class Engine:
         input_ids: list[int] | None,
         sampling_params: dict[str, Any] | SamplingParams | None,
     ) -> tuple[list[int], SamplingParams]:
-        # the default max_new_tokens (not asked for) is capped to what fits the context
-        explicit = isinstance(sampling_params, SamplingParams) or (
-            isinstance(sampling_params, dict) and "max_new_tokens" in sampling_params
+        return prepare_request(
+            prompt,
+            input_ids,
+            sampling_params,
+            vocab_size=self.vocab_size,
+            context_len=self.context_len,
+            tokenizer_manager=self.tokenizer_manager,
+            server_args=self.server_args,
+            check_constraint=self._check_constraint,
         )
-        if isinstance(sampling_params, SamplingParams):
-            params = dataclasses.replace(sampling_params)
-        else:
-            params = SamplingParams.from_dict(sampling_params)
-        params.validate(self.vocab_size)
-        if input_ids is None:
-            if prompt is None:
-                raise ValueError("either prompt (text) or input_ids is required")
-            if not isinstance(prompt, str):
-                raise ParamError("prompt", f"prompt must be a string, got {type(prompt).__name__}")
-            if self.tokenizer_manager is None:
-                raise ValueError(
-                    "text prompts need a tokenizer (started with "
-                    "--skip-tokenizer-init): pass input_ids"
-                )
-            input_ids = self.tokenizer_manager.encode(prompt)
-        if not isinstance(input_ids, list) or not input_ids:
-            raise ParamError("input_ids", "prompt is empty: at least one input token is required")
-        vocab = self.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in input_ids):
-            raise ParamError("input_ids", f"input_ids must be token ids in [0, {vocab})")
-        if len(input_ids) >= self.context_len:
-            raise ParamError(
-                "input_ids" if prompt is None else "prompt",
-                f"prompt is too long: {len(input_ids)} tokens, the context length "
-                f"is {self.context_len} (the prompt must leave room for at least "
-                "one new token)",
-            )
-        room = self.context_len - len(input_ids)
-        if params.max_new_tokens > room:
-            if explicit and not self.server_args.clamp_max_new_tokens:
-                check_context(len(input_ids), params.max_new_tokens, self.context_len)
-            params.max_new_tokens = room
-            params.min_new_tokens = min(params.min_new_tokens, room)
-        if params.custom_logit_processor is not None:
-            from loom.sampling.logits_processor import is_serialized
-            from loom.sampling.sampler import get_processor
-
-            if is_serialized(params.custom_logit_processor) and not (
-                self.server_args.enable_custom_logit_processor
-            ):
-                raise ValueError(
-                    "custom_logit_processor: serialized (dill) processors execute code sent by "
-                    "the client and are refused; use a named processor plug-in, or start the "
-                    "server with --enable-custom-logit-processor if every client is trusted"
-                )
-            try:
-                proc = get_processor(params.custom_logit_processor)
-            except plugins.RegistryError as e:
-                raise ValueError(f"custom_logit_processor: {e}") from e
-            proc.validate_params(params.custom_params)
-        if params.stop and self.tokenizer_manager is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        if params.constraint is not None:
-            self._check_constraint(*params.constraint)
-        return list(input_ids), params
 
     def _grammar_manager(self):
         if self._grammar_mgr is None:
@@ -341,7 +273,7 @@ class Engine:
         outputs: queue.Queue | None = None,
         batch: list[Req] | None = None,
         lora: str | None = None,
-    ) -> _ReqState:
+    ) -> ReqState:
         """``outputs``: a queue shared with other requests of a batch (``_wait_all``), which
         receives lists of outputs. ``batch``: collect the request there for ``_send`` instead
         of sending it now."""
@@ -350,7 +282,7 @@ class Engine:
         detok = None
         if self.tokenizer_manager is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        st = _ReqState(
+        st = ReqState(
             rid,
             len(input_ids),
             params,
@@ -385,7 +317,7 @@ class Engine:
         if reqs:
             self.backend.send(("add", reqs))
 
-    def _submit_batch(self, submit: Callable[[list[Req]], list[_ReqState]]) -> list[_ReqState]:
+    def _submit_batch(self, submit: Callable[[list[Req]], list[ReqState]]) -> list[ReqState]:
         """Run ``submit`` (which calls ``_submit`` with its ``batch`` list) and send what it
         collected as one message; if it fails part way, forget the states it registered."""
         reqs: list[Req] = []
@@ -401,7 +333,7 @@ class Engine:
 
     def _submit_n(
         self, ids, params, rid, priority, extra_key, lp, outputs=None, batch=None, lora=None
-    ) -> list[_ReqState]:
+    ) -> list[ReqState]:
         """``n`` samples of one prompt: n requests (rids ``{rid}-{i}``), each with its own
         seed stream when seeded; with n = 1, the one request as given. The scheduler prefills
         the shared prompt once: identical prompts admitted together wait one step for the first
@@ -429,7 +361,7 @@ class Engine:
             )
         return states
 
-    def _forget(self, st: _ReqState) -> None:
+    def _forget(self, st: ReqState) -> None:
         """The caller went away: abort the request and drop its state."""
         with self._states_lock:
             self._states.pop(st.rid, None)
@@ -455,7 +387,7 @@ class Engine:
 
     # ---- collecting outputs ---------------------------------------------------------------
 
-    def _consume(self, st: _ReqState, out: ReqOutput) -> dict[str, Any]:
+    def _consume(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
         """Apply one output to the request's state; returns the increment as an SGLang dict.
         A failure here (detokenising, a stop-string check) fails this request alone: it is
         aborted in the scheduler and its increment carries the error."""
@@ -477,92 +409,20 @@ class Engine:
             st.detok = None  # (text so far is kept by the caller; no more decoding)
             return self._apply_output(st, failed)
 
-    def _apply_output(self, st: _ReqState, out: ReqOutput) -> dict[str, Any]:
-        new_ids = list(out.new_token_ids)
-        st.output_ids.extend(new_ids)
-        finished = out.finished_reason
-        delta = ""
-        if st.detok is not None:
-            added = st.detok.add(new_ids, final=finished is not None)
-            hit = self._find_stop(st, len(added)) if added and st.params.stop else None
-            if hit is not None:
-                stop, cut = hit
-                if st.params.no_stop_trim:
-                    cut += len(stop)
-                st.detok.text = st.detok.text[:cut]
-                if finished is None or finished.get("type") != "stop":
-                    finished = {"type": "stop", "matched": stop}
-                if out.finished_reason is None:
-                    self.abort_request(st.rid)
-            # Stream only text that cannot turn out to be the start of a stop string.
-            text = st.detok.text
-            end = (
-                len(text)
-                if finished is not None
-                else len(text) - _partial_stop(text, st.params.stop)
-            )
-            delta, st.emitted = text[st.emitted : end], max(st.emitted, end)
-        if finished is not None:
-            st.finished = True
+    def _apply_output(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
+        inc = apply_output(st, out, self.tokenizer, self.abort_request)
+        if st.finished:
             with self._states_lock:
                 self._states.pop(st.rid, None)
-        meta = {
-            "id": st.rid,
-            "prompt_tokens": st.prompt_tokens,
-            "completion_tokens": len(st.output_ids),
-            "cached_tokens": out.cached_tokens,
-            "finish_reason": finished,
-            "e2e_latency": (st.finish_time or time.monotonic()) - st.start,
-            "ttft": (st.first_token_time or st.finish_time or time.monotonic()) - st.start,
-        }
-        if out.error:
-            meta["error"] = out.error
-        if st.logprobs is not None:
-            for key, entries in out.extra.items():
-                if key in st.logprobs:
-                    st.logprobs[key] += self._with_text(key, entries)
-            n_new = len(out.extra.get("output_token_logprobs", []))
-            for key, acc in st.logprobs.items():
-                meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
-        return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+        return inc
 
-    def _with_text(self, key: str, entries: list) -> list:
-        """(logprob, id) -> (logprob, id, text) as SGLang returns them."""
-        tok = self.tokenizer
-
-        def text(i: int) -> str | None:
-            return tok.decode([i]) if tok is not None else None
-
-        if key == "output_top_logprobs":
-            return [[(lp, i, text(i)) for lp, i in row] for row in entries]
-        return [(lp, i, text(i)) for lp, i in entries]
-
-    @staticmethod
-    def _find_stop(st: _ReqState, new_chars: int) -> tuple[str, int] | None:
-        """The earliest stop string that the newest ``new_chars`` characters completed (only
-        the text's tail is searched, so a long output costs no quadratic rescans)."""
-        text = st.detok.text
-        best = None
-        for s in st.params.stop:
-            i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
-            if i != -1 and (best is None or i < best[1]):
-                best = (s, i)
-        return best
-
-    def _final(self, st: _ReqState, last: dict[str, Any]) -> dict[str, Any]:
-        text = st.detok.text if st.detok is not None else ""
-        meta = dict(last["meta_info"])
-        if st.logprobs is not None:
-            meta.update({k: list(v) for k, v in st.logprobs.items()})
-        return {"text": text, "output_ids": list(st.output_ids), "meta_info": meta}
-
-    def _wait(self, st: _ReqState) -> dict[str, Any]:
+    def _wait(self, st: ReqState) -> dict[str, Any]:
         while True:
             inc = self._consume(st, st.outputs.get())
             if st.finished:
-                return self._final(st, inc)
+                return final_result(st, inc)
 
-    def _wait_all(self, states: list[_ReqState], shared: queue.Queue) -> list[dict[str, Any]]:
+    def _wait_all(self, states: list[ReqState], shared: queue.Queue) -> list[dict[str, Any]]:
         """The results of requests whose outputs arrive on one ``shared`` queue, consumed in
         arrival order whichever request they belong to: each output is detokenised and checked
         for stop strings as it comes (a request that hit one is aborted at once, not when the
@@ -579,12 +439,12 @@ class Engine:
                     continue
                 inc = self._consume(st, out)
                 if st.finished:
-                    results[i] = self._final(st, inc)
+                    results[i] = final_result(st, inc)
                     left -= 1
         return results
 
-    def _stream(self, st: _ReqState) -> _SyncStream:
-        return _SyncStream(self, st)
+    def _stream(self, st: ReqState) -> SyncStream:
+        return SyncStream(st, self._consume, self._forget)
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -613,11 +473,11 @@ class Engine:
         take one value or, for a batch, one per prompt; so does ``lora_path``, the name of a
         LoRA adapter from ``--lora-paths`` (None: the base model).
         """
-        lp = _logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
+        lp = logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
         batch = self._as_batch(prompt, input_ids, sampling_params, rid)
         if batch is None:
             ids, params = self._prepare(prompt, input_ids, sampling_params)
-            _check_options(priority, extra_key)
+            check_options(priority, extra_key)
             self._check_lora(lora_path)
             if params.n > 1:
                 if stream:
@@ -650,11 +510,11 @@ class Engine:
                 "priority, extra_key and lora_path lists must match the number of prompts"
             )
         for pr, k, lo in zip(prios, keys, loras, strict=True):
-            _check_options(pr, k)
+            check_options(pr, k)
             self._check_lora(lo)
         shared = queue.Queue()
 
-        def submit(reqs: list[Req]) -> list[_ReqState]:
+        def submit(reqs: list[Req]) -> list[ReqState]:
             states = []
             for (ids, params, r), pr, k, lo in zip(batch, prios, keys, loras, strict=True):
                 states += self._submit_n(ids, params, r, pr, k, lp, shared, reqs, lo)
@@ -756,9 +616,9 @@ class Engine:
     ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """Like ``generate`` for one prompt (n=1); ``stream=True`` returns an async iterator of
         increments (``text`` is the new text, ``output_ids`` the new ids)."""
-        lp = _logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
+        lp = logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
         ids, params = self._prepare(prompt, input_ids, sampling_params)
-        _check_options(priority, extra_key)
+        check_options(priority, extra_key)
         self._check_lora(lora_path)
         if params.n > 1:
             raise ValueError("n > 1: submit n requests (the OpenAI routes do)")
@@ -773,11 +633,11 @@ class Engine:
             lora=lora_path,
         )
         if stream:
-            return _AsyncStream(self, st)
+            return AsyncStream(st, self._consume, self._forget)
         while True:
             inc = self._consume(st, await st.outputs.get())
             if st.finished:
-                return self._final(st, inc)
+                return final_result(st, inc)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer_manager is None:
@@ -811,85 +671,3 @@ class Engine:
             self._stopped.set()
             with contextlib.suppress(Exception):
                 backend.shutdown()
-
-
-def _logprob_options(ret: Any, top: Any, start: Any) -> tuple[bool, int, int]:
-    if not isinstance(ret, bool):
-        raise ParamError("return_logprob", f"return_logprob must be a boolean, got {show(ret)}")
-    check_number("top_logprobs_num", top)
-    check_number("logprob_start_len", start)
-    if (top or start >= 0) and not ret:
-        raise ParamError(
-            "return_logprob", "top_logprobs_num / logprob_start_len need return_logprob=True"
-        )
-    return ret, top, start
-
-
-def _check_options(priority: Any, extra_key: Any) -> None:
-    if priority is not None:
-        check_number("priority", priority)
-    if extra_key is not None and not isinstance(extra_key, str):
-        raise ParamError(
-            "extra_key", f"extra_key (cache_salt) must be a string, got {show(extra_key)}"
-        )
-
-
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-class _SyncStream:
-    """Iterator of a request's increments; closing it before the end aborts the request (also
-    when iteration never started, which a generator's ``finally`` would miss)."""
-
-    def __init__(self, engine: Engine, st: _ReqState) -> None:
-        self._engine, self._st = engine, st
-
-    def __iter__(self) -> _SyncStream:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        if self._st.finished:
-            raise StopIteration
-        return self._engine._consume(self._st, self._st.outputs.get())
-
-    def close(self) -> None:
-        if not self._st.finished:
-            self._st.finished = True
-            self._engine._forget(self._st)
-
-    def __del__(self) -> None:
-        self.close()
-
-
-class _AsyncStream:
-    """Async iterator of a request's increments; ``aclose()`` before the end aborts it."""
-
-    def __init__(self, engine: Engine, st: _ReqState) -> None:
-        self._engine, self._st = engine, st
-
-    def __aiter__(self) -> _AsyncStream:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self._st.finished:
-            raise StopAsyncIteration
-        return self._engine._consume(self._st, await self._st.outputs.get())
-
-    async def aclose(self) -> None:
-        if not self._st.finished:
-            self._st.finished = True
-            self._engine._forget(self._st)
-
-    def __del__(self) -> None:
-        st = getattr(self, "_st", None)
-        if st is not None and not st.finished:
-            st.finished = True
-            self._engine._forget(st)

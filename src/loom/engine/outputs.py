@@ -1,0 +1,130 @@
+"""A request's state on the front end, and what turns the scheduler's outputs into what the
+caller gets: incremental detokenising, stop strings, logprobs with their texts, the final
+result."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.engine.tokenizer_manager import IncrementalDetokenizer
+from loom.sampling.sampling_params import SamplingParams
+from loom.scheduler.request import ReqOutput
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_tokens: int
+    params: SamplingParams
+    outputs: queue.Queue | asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None = None
+    detok: IncrementalDetokenizer | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    start: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None  # stamped on the backend's thread
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    emitted: int = 0  # characters of the detokenized text already handed to the caller
+    logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
+    # the queue is a batch's (``Engine._wait_all``): a step's outputs for it arrive as one list
+    shared: bool = False
+
+
+def apply_output(
+    st: ReqState, out: ReqOutput, tokenizer: Any, abort: Callable[[str], None]
+) -> dict[str, Any]:
+    """Apply one scheduler output to the request's state: extend its ids, detokenise, cut at
+    the earliest stop string (``abort``-ing the request if the scheduler had not finished it),
+    accumulate logprobs with their texts; returns the increment as an SGLang dict. Streams get
+    only text that cannot turn out to begin a stop string."""
+    new_ids = list(out.new_token_ids)
+    st.output_ids.extend(new_ids)
+    finished = out.finished_reason
+    delta = ""
+    if st.detok is not None:
+        added = st.detok.add(new_ids, final=finished is not None)
+        hit = _find_stop(st, len(added)) if added and st.params.stop else None
+        if hit is not None:
+            stop, cut = hit
+            if st.params.no_stop_trim:
+                cut += len(stop)
+            st.detok.text = st.detok.text[:cut]
+            if finished is None or finished.get("type") != "stop":
+                finished = {"type": "stop", "matched": stop}
+            if out.finished_reason is None:
+                abort(st.rid)
+        # Stream only text that cannot turn out to be the start of a stop string.
+        text = st.detok.text
+        end = len(text) if finished is not None else len(text) - _partial_stop(text, st.params.stop)
+        delta, st.emitted = text[st.emitted : end], max(st.emitted, end)
+    if finished is not None:
+        st.finished = True
+    meta = {
+        "id": st.rid,
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": len(st.output_ids),
+        "cached_tokens": out.cached_tokens,
+        "finish_reason": finished,
+        "e2e_latency": (st.finish_time or time.monotonic()) - st.start,
+        "ttft": (st.first_token_time or st.finish_time or time.monotonic()) - st.start,
+    }
+    if out.error:
+        meta["error"] = out.error
+    if st.logprobs is not None:
+        for key, entries in out.extra.items():
+            if key in st.logprobs:
+                st.logprobs[key] += _with_text(tokenizer, key, entries)
+        n_new = len(out.extra.get("output_token_logprobs", []))
+        for key, acc in st.logprobs.items():
+            meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
+    return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+
+
+def _with_text(tokenizer: Any, key: str, entries: list) -> list:
+    """(logprob, id) -> (logprob, id, text) as SGLang returns them."""
+    tok = tokenizer
+
+    def text(i: int) -> str | None:
+        return tok.decode([i]) if tok is not None else None
+
+    if key == "output_top_logprobs":
+        return [[(lp, i, text(i)) for lp, i in row] for row in entries]
+    return [(lp, i, text(i)) for lp, i in entries]
+
+
+def _find_stop(st: ReqState, new_chars: int) -> tuple[str, int] | None:
+    """The earliest stop string that the newest ``new_chars`` characters completed (only
+    the text's tail is searched, so a long output costs no quadratic rescans)."""
+    text = st.detok.text
+    best = None
+    for s in st.params.stop:
+        i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if i != -1 and (best is None or i < best[1]):
+            best = (s, i)
+    return best
+
+
+def final_result(st: ReqState, last: dict[str, Any]) -> dict[str, Any]:
+    """The whole result of a finished request, from its state and its last increment."""
+    text = st.detok.text if st.detok is not None else ""
+    meta = dict(last["meta_info"])
+    if st.logprobs is not None:
+        meta.update({k: list(v) for k, v in st.logprobs.items()})
+    return {"text": text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

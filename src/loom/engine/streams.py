@@ -1,0 +1,63 @@
+"""A request's increments as an iterator (``generate(stream=True)``) or an async iterator
+(``async_generate(stream=True)``); closing either before the end aborts the request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from loom.engine.outputs import ReqState
+from loom.scheduler.request import ReqOutput
+
+Consume = Callable[[ReqState, ReqOutput], dict[str, Any]]
+Forget = Callable[[ReqState], None]
+
+
+class SyncStream:
+    """Iterator of a request's increments; closing it before the end aborts the request (also
+    when iteration never started, which a generator's ``finally`` would miss)."""
+
+    def __init__(self, st: ReqState, consume: Consume, forget: Forget) -> None:
+        self._st, self._consume, self._forget = st, consume, forget
+
+    def __iter__(self) -> SyncStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._st.finished:
+            raise StopIteration
+        return self._consume(self._st, self._st.outputs.get())
+
+    def close(self) -> None:
+        if not self._st.finished:
+            self._st.finished = True
+            self._forget(self._st)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncStream:
+    """Async iterator of a request's increments; ``aclose()`` before the end aborts it."""
+
+    def __init__(self, st: ReqState, consume: Consume, forget: Forget) -> None:
+        self._st, self._consume, self._forget = st, consume, forget
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._st.finished:
+            raise StopAsyncIteration
+        return self._consume(self._st, await self._st.outputs.get())
+
+    async def aclose(self) -> None:
+        if not self._st.finished:
+            self._st.finished = True
+            self._forget(self._st)
+
+    def __del__(self) -> None:
+        st = getattr(self, "_st", None)
+        if st is not None and not st.finished:
+            st.finished = True
+            self._forget(st)
