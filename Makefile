@@ -41,7 +41,7 @@ serve: setup
 test: setup
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
-	$(BIN)/python -m pytest -q -n auto --dist worksteal tests
+	$(BIN)/python -m pytest -q -n auto --dist loadscope tests
 
 lint: setup
 	$(BIN)/ruff check src tests examples

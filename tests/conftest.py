@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import random
 
+import httpx
 import pytest
 import torch
 from filelock import FileLock
@@ -17,6 +19,13 @@ from loom.model_loader.model_path import resolve_model_path
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"  # git-ignored; HF's GGUF load takes ~30 s, so its result is kept here
+
+# HTTP calls to test servers wait up to a minute (httpx's default is 5 s): under pytest-xdist a
+# server shares this machine's two cores with the other workers. A call's own timeout wins.
+http_get = functools.partial(httpx.get, timeout=60)
+http_post = functools.partial(httpx.post, timeout=60)
+http_stream = functools.partial(httpx.stream, timeout=60)
+http_request = functools.partial(httpx.request, timeout=60)
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import loom
-from tests.conftest import save_tiny_llama
+from tests.conftest import http_get, http_post, save_tiny_llama
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -314,7 +314,6 @@ def test_server_routes_pick_adapters(lora_setup, peft_ref):
     """`loom serve --lora-paths`: /generate's `lora_path` and the OpenAI model "BASE:NAME" (or
     "NAME") pick an adapter, /v1/models lists them, and an unknown adapter is a 404 (OpenAI
     route) or a 400 (native route) naming the adapters served."""
-    import httpx
 
     from tests.test_server import Server
 
@@ -327,9 +326,9 @@ def test_server_routes_pick_adapters(lora_setup, peft_ref):
         *[f"{n}={p}" for n, p in paths.items()],
     )
     try:
-        ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        ids = [m["id"] for m in http_get(s.url + "/v1/models").json()["data"]]
         assert ids[1:] == ["a", "b"]
-        r = httpx.post(
+        r = http_post(
             s.url + "/generate",
             json={
                 "input_ids": [PROMPTS[0], PROMPTS[1]],
@@ -343,7 +342,7 @@ def test_server_routes_pick_adapters(lora_setup, peft_ref):
         assert out[0]["output_ids"] == peft_ref("b", PROMPTS[0])[0]
         assert out[1]["output_ids"] == peft_ref(None, PROMPTS[1])[0]
         for model in (f"{ids[0]}:a", "a"):
-            r = httpx.post(
+            r = http_post(
                 s.url + "/v1/completions",
                 json={
                     "model": model,
@@ -355,34 +354,34 @@ def test_server_routes_pick_adapters(lora_setup, peft_ref):
                 timeout=60,
             )
             assert r.status_code == 200, r.text
-        r = httpx.post(
+        r = http_post(
             s.url + "/v1/completions",
             json={"model": "nope", "prompt": PROMPTS[2], "max_tokens": 2},
             timeout=60,
         )
         assert r.status_code == 404 and "'a', 'b'" in r.json()["error"]["message"]
-        r = httpx.post(
+        r = http_post(
             s.url + "/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "c"},
             timeout=60,
         )
         assert r.status_code == 400 and "unknown LoRA adapter 'c'" in r.json()["error"]["message"]
         # adapters loaded and unloaded while serving
-        r = httpx.post(
+        r = http_post(
             s.url + "/load_lora_adapter",
             json={"lora_name": "c", "lora_path": paths["a"]},
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["loaded_adapters"] == ["a", "b", "c"], r.text
-        r = httpx.post(
+        r = http_post(
             s.url + "/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "c"},
             timeout=60,
         )
         assert r.json()["output_ids"] == peft_ref("a", PROMPTS[0])[0]
-        r = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
+        r = http_post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
         assert r.status_code == 200 and r.json()["loaded_adapters"] == ["a", "b"], r.text
-        r = httpx.post(
+        r = http_post(
             s.url + "/load_lora_adapter",
             json={"lora_name": "d", "lora_path": "/nonexistent"},
             timeout=60,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import chat_ids
+from tests.conftest import chat_ids, http_get, http_post, http_stream
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -63,7 +63,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if http_get(self.url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -73,7 +73,7 @@ class Server:
             raise TimeoutError("server did not start")
         try:
             self.children = _children(self.proc.pid)
-            info = httpx.get(self.url + "/server_info", headers=self.headers).json()
+            info = http_get(self.url + "/server_info", headers=self.headers).json()
             assert "scheduler_pid" in info, info
             self.scheduler_pid = info["scheduler_pid"]
         except BaseException:
@@ -115,7 +115,7 @@ def client(server):
 
 def _kv_balanced(server) -> bool:
     for _ in range(50):
-        info = httpx.get(server.url + "/server_info").json()
+        info = http_get(server.url + "/server_info").json()
         free, cached = info["kv_free_pages"], info["kv_cached_pages"]
         if free + cached == info["kv_total_pages"] and info["num_running_reqs"] == 0:
             return True
@@ -181,13 +181,13 @@ def test_generate_native_n_and_logprobs(server):
         "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 3, "seed": 2},
         "return_logprob": True,
     }
-    outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    outs = http_post(server.url + "/generate", json=body, timeout=60).json()
     assert isinstance(outs, list) and len(outs) == 3
     assert len({tuple(o["output_ids"]) for o in outs}) >= 2  # seeds 2, 3, 4
     for o in outs:
         lps = o["meta_info"]["output_token_logprobs"]
         assert [t for _, t, _ in lps] == o["output_ids"]
-    again = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    again = http_post(server.url + "/generate", json=body, timeout=60).json()
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
 
 
@@ -368,18 +368,16 @@ def test_models(client):
 def test_generate_native(server, engine):
     url = server.url + "/generate"
     sp = {"max_new_tokens": 8, "temperature": 0}
-    single = httpx.post(url, json={"text": "Hello, my name is", "sampling_params": sp}).json()
+    single = http_post(url, json={"text": "Hello, my name is", "sampling_params": sp}).json()
     assert single["text"] == engine.generate("Hello, my name is", sp)["text"]
     assert single["meta_info"]["completion_tokens"] == len(single["output_ids"]) == 8
-    batch = httpx.post(
+    batch = http_post(
         url, json={"text": ["Hello, my name is", "Paris is"], "sampling_params": sp}
     ).json()
     assert batch[0]["output_ids"] == single["output_ids"] and len(batch) == 2
-    ids = httpx.post(
-        url, json={"input_ids": single["output_ids"][:3], "sampling_params": sp}
-    ).json()
+    ids = http_post(url, json={"input_ids": single["output_ids"][:3], "sampling_params": sp}).json()
     assert len(ids["output_ids"]) == 8
-    with httpx.stream(
+    with http_stream(
         "POST", url, json={"text": "Hello, my name is", "sampling_params": sp, "stream": True}
     ) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
@@ -389,18 +387,18 @@ def test_generate_native(server, engine):
 
 
 def test_health_generate_and_info(server):
-    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
-    info = httpx.get(server.url + "/model_info").json()
+    assert http_get(server.url + "/health_generate", timeout=60).status_code == 200
+    info = http_get(server.url + "/model_info").json()
     assert info["architecture"] == "LlamaForCausalLM"
-    assert httpx.get(server.url + "/get_model_info").json() == info
-    assert httpx.post(server.url + "/flush_cache").status_code == 200
+    assert http_get(server.url + "/get_model_info").json() == info
+    assert http_post(server.url + "/flush_cache").status_code == 200
 
 
 def test_abort_request(server):
     result = {}
 
     def run():
-        result["r"] = httpx.post(
+        result["r"] = http_post(
             server.url + "/generate",
             timeout=120,
             json={
@@ -413,7 +411,7 @@ def test_abort_request(server):
     t = threading.Thread(target=run)
     t.start()
     time.sleep(1.5)
-    assert httpx.post(server.url + "/abort_request", json={"rid": "long-one"}).status_code == 200
+    assert http_post(server.url + "/abort_request", json={"rid": "long-one"}).status_code == 200
     t.join(60)
     assert result["r"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert result["r"]["meta_info"]["completion_tokens"] < 2000
@@ -429,7 +427,7 @@ def test_concurrent_streams_with_disconnects(server):
             "stream": True,
             "sampling_params": {"max_new_tokens": n_tokens, "ignore_eos": True, "temperature": 0},
         }
-        with httpx.stream("POST", server.url + "/generate", json=body, timeout=300) as r:
+        with http_stream("POST", server.url + "/generate", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -446,15 +444,15 @@ def test_concurrent_streams_with_disconnects(server):
     assert all(results[i] == n_tokens for i in range(8, 32))
     assert all(n_tokens // 2 <= results[i] < n_tokens for i in range(8))
     assert _kv_balanced(server)
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = http_get(server.url + "/metrics").text
     assert "loom:time_to_first_token_seconds_count" in metrics
     assert "loom:num_aborted_requests_total" in metrics
 
 
 def test_non_streaming_client_disconnect_aborts(server):
-    before = httpx.get(server.url + "/metrics").text.count("\n")
+    before = http_get(server.url + "/metrics").text.count("\n")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
+        http_post(
             server.url + "/generate",
             timeout=1.5,
             json={
@@ -551,7 +549,7 @@ BAD = [
 @pytest.mark.parametrize("path,body,status,param", BAD)
 def test_bad_input(server, client, path, body, status, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, **kw)
+    r = http_post(server.url + path, headers={"content-type": "application/json"}, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -569,14 +567,14 @@ def test_api_key_queue_limit_and_sigterm():
     s = Server("--max-running-requests", "1", "--max-queued-requests", "2", api_key="sekret")
     try:
         url = s.url + "/v1/models"
-        assert httpx.get(url).status_code == 401
-        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
-        assert httpx.get(s.url + "/health").status_code == 200  # no key needed
+        assert http_get(url).status_code == 401
+        assert http_get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http_get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert http_get(s.url + "/health").status_code == 200  # no key needed
         statuses = []
 
         def run():
-            r = httpx.post(
+            r = http_post(
                 s.url + "/generate",
                 timeout=120,
                 headers={"Authorization": "Bearer sekret"},

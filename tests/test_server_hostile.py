@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import http_request
 from tests.test_server import MESSAGES, Server, _alive, _kv_balanced
 
 MODEL = "smollm2-135m-instruct"
@@ -161,7 +162,7 @@ def test_errors_in_openai_shape_everywhere(server):
         ("GET", CHAT, 405),
         ("DELETE", "/health", 405),
     ]:
-        r = httpx.request(method, server.url + path)
+        r = http_request(method, server.url + path)
         assert r.status_code == status and _is_openai_error(r), r.text
     big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
     r = _post(server, COMPLETIONS, big)
