@@ -41,11 +41,13 @@ serve: setup
 test: setup
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
-	$(BIN)/python -m pytest -q -n auto --dist loadscope tests
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup tests
 
 lint: setup
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
+	$(BIN)/lint-imports
 
 # Rewrites files: fixes what ruff can fix, then formats.
 format: setup

@@ -1,11 +1,16 @@
-"""Decode attention alone, Llama-3-8B's shape (32 query heads, 8 KV heads, head_dim 128, a bf16
-query over a bf16 or fp8_e4m3 cache): Loom's Triton kernel (tl.dot variant, 1-16 KV splits)
-against FlashInfer's decode (when it imports), timed as CUDA graphs, with the bytes of KV read
-per second.
+"""Decode attention alone on a GPU, Llama-3-8B's shape (32 query heads, 8 KV heads, head_dim 128,
+a bf16 query over a bf16 or fp8_e4m3 cache, every request the same context, one layer): Loom's
+Triton decode kernel (loom.layers.attention.triton_ops.decode_attention: 1-16 KV splits, tile
+lengths, KV heads a program, warps, pipeline stages, slot prefetch) against FlashInfer's decode
+with tensor cores (when it imports), each timed as a CUDA graph, with the bytes of KV read per
+second.
 
-python bench/attn_micro.py [RESULTS.jsonl]
-python bench/attn_micro.py --sweep [RESULTS.jsonl]   # launch variants at the 8B workload's shape
-python bench/attn_micro.py --sweep-fp8 [RESULTS.jsonl]   # fp8: tiles, heads a program
+python bench/attn_micro.py [RESULTS.jsonl]              # batch x context, 1 x 1,024 to 1,000 x 700
+python bench/attn_micro.py --sweep [RESULTS.jsonl]      # launch options at 512 requests x 850
+python bench/attn_micro.py --sweep-fp8 [RESULTS.jsonl]  # fp8 tiles and KV heads a program, same
+
+Prints one line per (shape, variant): microseconds per call and GB/s of KV read; with
+RESULTS.jsonl, one JSON line per shape appended there.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ SHAPES = [(1, 1024), (64, 1024), (256, 900), (512, 900), (1000, 700)]
 
 def main() -> None:
     """Each shape runs in a process of its own: a CUDA fault is sticky, and one kernel's fault
-    must not fail the rows after it (as it did on the H200 once)."""
+    must not fail the rows after it."""
     import subprocess
 
     if len(sys.argv) > 1 and sys.argv[1] == "--sweep":
@@ -208,11 +213,9 @@ def sweep(results: str | None, bs: int = 512, ctx: int = 850) -> None:
 
 
 def sweep_fp8(results: str | None, bs: int = 512, ctx: int = 850) -> None:
-    """Session 9: what holds the fp8 decode at 2.6 TB/s against bf16's 4.0. Smaller tiles and
-    four KV heads a program (fewer registers a program: more programs an SM), all with slot
-    prefetch; bf16 and the fp8 default (two heads, 64-token tiles, 4 warps) as the references.
-    (Session 9 also ran an integer fp8 -> fp16 conversion on every row: 20-45% slower than the
-    hardware's, so it was removed; docs/benchmarks.md.)"""
+    """What holds the fp8 decode below bf16's bytes per second: smaller tiles and four KV heads a
+    program (fewer registers a program: more programs an SM), all with slot prefetch; bf16 and
+    the fp8 default (two heads, 64-token tiles, 4 warps) as the references."""
     import itertools
 
     fp8 = torch.float8_e4m3fn

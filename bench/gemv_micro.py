@@ -1,6 +1,7 @@
-"""cuBLAS (``F.linear``) against Loom's Triton GEMV for one-token decode, per weight shape.
+"""cuBLAS (``F.linear``) against Loom's Triton GEMV (loom.layers.gemv) for one-token decode, per
+weight shape, on a GPU; for the Triton GEMV the best of its 44 configurations per shape.
 
-    python bench/gemv_micro.py            # Llama-3-8B's and SmolLM2-135M's shapes, bf16
+    python bench/gemv_micro.py [RESULTS.jsonl]   # Llama-3-8B's and SmolLM2-135M's shapes, bf16
 
 Times each as a CUDA graph of repeated calls (``triton.testing.do_bench_cudagraph``), so launch
 gaps do not count, and prints the achieved read bandwidth (weight bytes / time).

@@ -49,6 +49,12 @@ def _seeded_rngs():
 
 
 def pytest_collection_modifyitems(config, items):
+    # Workers (pytest-xdist, `--dist loadgroup`) take whole modules, so each module-scoped
+    # server or engine starts once; tests marked `spread` (long, and needing no module fixture)
+    # go one by one to whichever worker is free.
+    for item in items:
+        if "spread" not in item.keywords:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -134,34 +140,3 @@ def save_tiny_llama(path, seed: int = 0, **overrides) -> str:
 
 def chat_ids(engine, prompt: str) -> list[int]:
     return engine.apply_chat_template([{"role": "user", "content": prompt}])
-
-
-class GraphStandIn:
-    """A stand-in for a CUDA SamplingGraph on CPU: "capture" binds the sampling function, each
-    "replay" runs it on the graph's static parameters (when it has them) and advances the
-    seeds, as a replay does. ``made`` records the batch size of every "capture"."""
-
-    made: list[int] = []
-
-    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
-        GraphStandIn.made.append(logits.shape[0])
-        self.logits = torch.empty_like(logits)
-        self.seeds, self.sample, self.state, self.masked = row_seeds, sample, state, vocab_mask
-        self.params = None if params is None else params.clone()
-
-    def valid_for(self, logits, vocab_mask, state):
-        return (
-            logits.shape == self.logits.shape
-            and (vocab_mask is None) == (self.masked is None)
-            and (self.params is not None or state is self.state)
-        )
-
-    def adopt(self, params, row_seeds):
-        self.params.copy_(params)
-        if row_seeds is not self.seeds:
-            self.seeds.copy_(row_seeds)
-
-    def __call__(self, logits, vocab_mask=None):
-        tokens = self.sample(logits, self.seeds, vocab_mask, self.params)
-        self.seeds.add_(1)
-        return tokens

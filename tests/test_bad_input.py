@@ -37,7 +37,7 @@ def test_bad_item_in_batch_rejects_whole_batch_before_submitting(engine):
     with pytest.raises(ValueError, match="temperature"):
         engine.generate(["a", "b"], [{"max_new_tokens": 1}, {"temperature": -1}])
     engine.scheduler.check_kv_balance()
-    assert not engine.scheduler.waiting and not engine.scheduler.running
+    assert not engine.scheduler.prefill.waiting and not engine.scheduler.decode.running
 
 
 def test_bad_server_args():

@@ -10,9 +10,12 @@ from loom.testing import (
     check_attention_backend,
     check_logits_processor,
     check_lora_eviction_policy,
+    check_model,
+    check_model_loader,
     check_radix_eviction_policy,
     check_schedule_policy,
 )
+from tests.conftest import TINY_LLAMA
 
 
 def _available(family: str) -> list[str]:
@@ -29,7 +32,7 @@ def test_attention_backend_kit(name, page_size):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("name", ["torch_native", "triton"])
+@pytest.mark.parametrize("name", ["torch_native", "triton", "flash_attention"])
 def test_attention_backends_read_an_fp8_kv_cache(name, kv_dtype):
     """--kv-cache-dtype fp8_*: the backends read the fp8 pool exactly (the reference attends to
     the same rounded K/V)."""
@@ -76,6 +79,35 @@ def test_logits_processor_kit(name):
     check_logits_processor(name)
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name", _available("model"))
+def test_model_kit(name, tie):
+    from transformers import LlamaConfig
+
+    if name != "LlamaForCausalLM":  # the kit's default config is a Llama's
+        pytest.skip(f"{name} needs its own config")
+    config = LlamaConfig(
+        **TINY_LLAMA, initializer_range=0.2, tie_word_embeddings=tie, architectures=[name]
+    )
+    check_model(name, hf_config=config)
+
+
+def _loader_kit_args(name, request):
+    if name == "dummy":  # random weights: no oracle
+        return {"reference": None}
+    if name == "gguf":  # SmolLM2's GGUF against transformers' own load of it
+        return {
+            "path": request.getfixturevalue("smol_gguf"),
+            "reference": request.getfixturevalue("hf_model"),
+        }
+    return {}
+
+
+@pytest.mark.parametrize("name", _available("model_loader"))
+def test_model_loader_kit(name, request):
+    check_model_loader(name, **_loader_kit_args(name, request))
+
+
 def test_kit_catches_a_wrong_attention_backend():
     from loom.layers.attention.torch_native import TorchNativeAttnBackend
 
@@ -107,3 +139,117 @@ def test_kit_catches_a_lossy_schedule_policy():
             check_schedule_policy("lossy_for_test")
     finally:
         plugins.unregister("schedule_policy", "lossy_for_test")
+
+
+def _llama():
+    from loom.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def test_model_kit_catches_a_model_that_skips_a_layer_in_load_weights():
+    from loom.model_loader.weight_utils import load_packed_weights
+
+    class SkipsALayer(_llama()):  # drops layer 1's weights and claims it loaded everything
+        def load_weights(self, weights):
+            weights = ((n, w) for n, w in weights if ".layers.1." not in n)
+            load_packed_weights(self, weights, self.packed_modules_mapping, ["rotary_emb"])
+            return {n for n, _ in self.named_parameters()}
+
+    with pytest.raises(AssertionError, match=r"never wrote \['model\.layers\.1\."):
+        check_model(SkipsALayer, reference="auto")
+
+
+def test_model_kit_catches_a_wrong_kv_cache_shape():
+    class AllHeads(_llama()):  # sizes the KV cache for every query head, not the KV heads
+        @classmethod
+        def kv_cache_shape(cls, config):
+            layers, _, head_dim = super().kv_cache_shape(config)
+            return layers, config.num_attention_heads, head_dim
+
+    with pytest.raises(AssertionError, match="kv_cache_shape"):
+        check_model(AllHeads)
+
+
+def test_model_kit_catches_a_model_that_ignores_logit_indices():
+    class LastOnly(_llama()):  # always returns each request's last token (no prompt logprobs)
+        def forward(self, input_ids, positions, batch):
+            batch.logit_indices = None
+            return super().forward(input_ids, positions, batch)
+
+    with pytest.raises(AssertionError, match="logit_indices.*shape"):
+        check_model(LastOnly)
+
+
+def test_model_kit_catches_wrong_logits():
+    class NoRope(_llama()):  # attends without rotary positions
+        def forward(self, input_ids, positions, batch):
+            return super().forward(input_ids, torch.zeros_like(positions), batch)
+
+    with pytest.raises(AssertionError, match="off by"):
+        check_model(NoRope)
+
+
+def _safetensors_loader():
+    from loom.model_loader.loaders import SafetensorsLoader
+
+    return SafetensorsLoader
+
+
+def test_model_loader_kit_catches_a_loader_that_leaves_a_parameter_unwritten():
+    from loom.model_loader.base import build_model, process_weights_after_loading
+    from loom.model_loader.weight_utils import load_packed_weights
+
+    class Forgetful(_safetensors_loader()):  # never loads one layer's down_proj
+        def load_model(self, model_config, device_config):
+            model = build_model(model_config, device_config)
+            weights = (
+                (n, w)
+                for n, w in self.iterate_weights(model_config.path)
+                if n != "model.layers.1.mlp.down_proj.weight"
+            )
+            load_packed_weights(model, weights, model.packed_modules_mapping, ["rotary_emb"])
+            return process_weights_after_loading(model)
+
+    with pytest.raises(AssertionError, match=r"never wrote \['model\.layers\.1\.mlp\.down_proj"):
+        check_model_loader(Forgetful)
+
+
+def test_model_loader_kit_catches_wrong_weights():
+    class Scaled(_safetensors_loader()):  # a conversion bug: one tensor comes out scaled
+        def iterate_weights(self, path):
+            for n, w in super().iterate_weights(path):
+                yield n, (w * 2 if n == "model.layers.0.self_attn.v_proj.weight" else w)
+
+    with pytest.raises(AssertionError, match="off by"):
+        check_model_loader(Scaled)
+
+
+def test_model_loader_kit_catches_a_wrong_dtype_and_a_training_model():
+    class Fp32Always(_safetensors_loader()):  # ignores model_config.dtype
+        def load_model(self, model_config, device_config):
+            import dataclasses
+
+            fp32 = dataclasses.replace(model_config, dtype=torch.float32)
+            return super().load_model(fp32, device_config)
+
+    with pytest.raises(AssertionError, match=r"torch\.bfloat16.*is torch\.float32"):
+        check_model_loader(Fp32Always)
+
+    class Training(_safetensors_loader()):
+        def load_model(self, model_config, device_config):
+            return super().load_model(model_config, device_config).train()
+
+    with pytest.raises(AssertionError, match="eval"):
+        check_model_loader(Training)
+
+
+def test_model_loader_kit_catches_a_config_without_architectures():
+    class NoArchitectures(_safetensors_loader()):
+        def load_hf_config(self, path):
+            config = super().load_hf_config(path)
+            config.architectures = None
+            return config
+
+    with pytest.raises(AssertionError, match="architectures"):
+        check_model_loader(NoArchitectures)

@@ -172,7 +172,7 @@ def test_host_tier_hits_when_the_device_pool_is_a_quarter(tiny, prompts, referen
         # cannot hold, so every hit comes back from host memory.
         warm = [_one_by_one(e, [p] * 3) for p in prompts]
         rounds = [_one_by_one(e, prompts) for _ in range(2)]
-        tree = e.scheduler.tree
+        tree = e.scheduler.cache.tree
         e.scheduler.check_kv_balance()
         tree.check()
     assert [w[0]["output_ids"] for w in warm] == reference
@@ -234,12 +234,12 @@ def test_storage_failure_mid_run_only_costs_hits(
     kw = _storage_kw("file", root)
     with caplog.at_level(logging.WARNING), loom.Engine(model=tiny, **kw) as e:
         outs = _one_by_one(e, prompts[:2])
-        e.scheduler.tree.writer.drain()
+        e.scheduler.cache.tree.writer.drain()
         shutil.rmtree(root)
         if failure == "read-only":  # root ignores permissions: make the path unusable instead
             root.write_text("not a directory")
         outs += _one_by_one(e, prompts[2:5])
-        e.scheduler.tree.writer.drain()
+        e.scheduler.cache.tree.writer.drain()
         e.scheduler.flush_cache()  # force the next requests to look in storage
         outs += _one_by_one(e, prompts[:2])
     assert [o["output_ids"] for o in outs] == reference[:5] + reference[:2]
@@ -274,7 +274,7 @@ def test_fp8_kv_cache_through_host_memory_and_storage(tiny, prompts, tmp_path):
     with loom.Engine(model=tiny, **kw) as e:
         rounds = [_one_by_one(e, prompts) for _ in range(2)]
         e.scheduler.check_kv_balance()
-        assert e.scheduler.tree.hstats.host_hit_tokens > 0
+        assert e.scheduler.cache.tree.hstats.host_hit_tokens > 0
     with loom.Engine(model=tiny, backend="process", **kw) as e:  # hits in storage
         again = _one_by_one(e, prompts[:2])
     for outs in rounds:

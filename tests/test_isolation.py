@@ -186,14 +186,14 @@ def test_a_failing_grammar_matcher_fails_only_its_request(engine, monkeypatch):
 def test_a_failing_admission_fails_only_its_request(engine, monkeypatch):
     expected = _solo(engine, PROMPTS[:2])
     sched = engine.scheduler
-    real = sched._pages_to_admit
+    real = sched.prefill._pages_to_admit
 
     def pages(req, matched):
         if req.rid == "bad-admission":
             raise OverflowError("Python int too large to convert to C long")
         return real(req, matched)
 
-    monkeypatch.setattr(sched, "_pages_to_admit", pages)
+    monkeypatch.setattr(sched.prefill, "_pages_to_admit", pages)
     outs = engine.generate(
         [PROMPTS[0], PROMPTS[2], PROMPTS[1]], GREEDY, rid=["a1", "bad-admission", "a2"]
     )

@@ -7,8 +7,6 @@ import torch
 
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
-from loom.sampling.sampling_params import SamplingParams
-from loom.scheduler.request import Req
 from tests.conftest import CHAT_PROMPTS, chat_ids
 
 PROMPTS = [
@@ -26,26 +24,24 @@ def runner():
 
 def _loom_logits(runner: ModelRunner, ids: list[int], split: int | None = None) -> torch.Tensor:
     """Last-position logits; with ``split``, prefill ids[:split] then extend/decode the rest."""
-    req = Req("t", ids, SamplingParams())
-    req.req_pool_idx = runner.req_to_token_pool.alloc()
+    row = runner.req_to_token_pool.alloc()
     pages = runner.allocator.alloc(len(ids))
-    req.kv_pages = pages
     table = runner.req_to_token_pool.req_to_token
-    table[req.req_pool_idx, : len(ids)] = torch.tensor(pages)
+    table[row, : len(ids)] = torch.tensor(pages)
     try:
         if split is None:
-            return runner.forward_extend([req], ids, list(range(len(ids))), [0], [len(ids)])[0]
-        runner.forward_extend([req], ids[:split], list(range(split)), [0], [split])
+            return runner.forward_extend(ids, list(range(len(ids))), [row], [0], [len(ids)])[0]
+        runner.forward_extend(ids[:split], list(range(split)), [row], [0], [split])
         if split == len(ids) - 1:
-            loc = table[req.req_pool_idx, split : split + 1].tolist()
-            return runner.forward_decode([req], [ids[-1]], [split], loc)[0]
+            loc = table[row, split : split + 1].tolist()
+            return runner.forward_decode([ids[-1]], [split], loc, [row])[0]
         n = len(ids) - split
         return runner.forward_extend(
-            [req], ids[split:], list(range(split, len(ids))), [split], [n]
+            ids[split:], list(range(split, len(ids))), [row], [split], [n]
         )[0]
     finally:
         runner.allocator.free(pages)
-        runner.req_to_token_pool.free(req.req_pool_idx)
+        runner.req_to_token_pool.free(row)
 
 
 @torch.inference_mode()

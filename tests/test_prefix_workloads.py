@@ -80,7 +80,7 @@ def _check(got, want, page_size, workload):
 def test_every_eviction_policy_keeps_outputs(tiny, workload, reference, policy):
     with loom.Engine(model=tiny, radix_eviction_policy=policy, page_size=4, **KW) as e:
         got = _run(e, *workload)
-        assert e.scheduler.tree.num_evicted_tokens > 0  # the pool is small enough to evict
+        assert e.scheduler.cache.tree.num_evicted_tokens > 0  # the pool is small enough to evict
     _check(got, reference, 4, workload)
     assert sum(got["cached"]) > 0
 
@@ -117,13 +117,13 @@ def test_chunked_prefill_inserts_as_it_goes(tiny):
     ) as e:
         sched = e.scheduler
         seen = []
-        orig = sched._cache_unfinished
+        orig = sched.cache.cache_unfinished
 
         def spy(req):
             orig(req)
-            seen.append((req.kv_len, sched.tree.protected_size, req.num_shared_pages))
+            seen.append((req.kv_len, sched.cache.tree.protected_size, req.num_shared_pages))
 
-        sched._cache_unfinished = spy
+        sched.cache.cache_unfinished = spy
         out = e.generate(input_ids=prompt, sampling_params=PARAMS)
         again = e.generate(input_ids=prompt[:60] + [7, 7], sampling_params=PARAMS)
         sched.check_kv_balance()

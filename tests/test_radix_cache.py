@@ -107,7 +107,7 @@ def test_slru_threshold_flag_reaches_the_policy():
     with loom.Engine(
         max_total_tokens=1024, radix_eviction_policy="slru", slru_protected_threshold=5
     ) as e:
-        assert e.scheduler.tree.policy.protected_threshold == 5
+        assert e.scheduler.cache.tree.policy.protected_threshold == 5
         out = e.generate("Hello", {"max_new_tokens": 2, "temperature": 0})
         assert out["meta_info"]["completion_tokens"] == 2
 

@@ -116,10 +116,17 @@ def test_two_stage_argmax_is_argmax_with_ties(vocab):
 
 # CPU tensors through Triton's interpreter (on a GPU machine tests/gpu and the engine-level
 # test in test_triton_backend.py run the kernel for real)
-_INTERPRETER = pytest.mark.skipif(
+_SKIP_UNLESS_INTERPRETER = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
     reason="Triton interpreter tests (CPU only)",
 )
+
+
+def _INTERPRETER(test):
+    """A Triton-interpreter test: CPU only, and long (each one is a worker's own task)."""
+    return pytest.mark.spread(_SKIP_UNLESS_INTERPRETER(test))
+
+
 _FUSED_LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.2, -0.5, -1.0, -3.0, 0.9, 1.1, -0.1, 0.0])
 
 
@@ -268,10 +275,10 @@ def test_fused_kernel_greedy_rows_masks_and_seeds():
 
 
 @_INTERPRETER
-def test_graph_row_seeds_replay_the_eager_draws_of_seeded_rows():
-    """What a SamplingGraph reads: per-row seeds advanced by one a step. A seeded row then draws
-    exactly what the eager path draws at each output position (its text does not depend on
-    whether the batch runs through a graph); unseeded rows get distinct streams."""
+def test_row_seeds_replay_the_eager_draws_of_seeded_rows():
+    """Per-row seeds on the device (``row_seeds``), advanced by one a step: a seeded row then
+    draws exactly what the eager path draws at each output position; unseeded rows get
+    distinct streams."""
     from loom.sampling.triton_sampling import fused_sample, per_row_seeds
 
     params = [SamplingParams(temperature=1.3, top_p=0.95, sampling_seed=s) for s in (3, 9)]

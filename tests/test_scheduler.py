@@ -32,10 +32,12 @@ def _assert_balanced(e) -> None:
     """Idle: every page is free or held by the radix cache, and nothing is locked."""
     sched = e.scheduler
     sched.check_kv_balance()
-    cached = sched.tree.total_size // sched.page_size if sched.tree is not None else 0
-    assert sched.allocator.num_free + cached == sched.allocator.num_pages
-    assert sched.tree is None or sched.tree.protected_size == 0
-    assert sched.req_to_token_pool.num_free == sched.req_to_token_pool.size
+    cached = (
+        sched.cache.tree.total_size // sched.cache.page_size if sched.cache.tree is not None else 0
+    )
+    assert sched.cache.allocator.num_free + cached == sched.cache.allocator.num_pages
+    assert sched.cache.tree is None or sched.cache.tree.protected_size == 0
+    assert sched.cache.req_to_token_pool.num_free == sched.cache.req_to_token_pool.size
 
 
 def test_all_together_equals_one_at_a_time(engine, prompts_ids, reference):
@@ -175,14 +177,14 @@ def test_a_batch_reaches_the_scheduler_in_one_message(engine, prompts_ids, monke
     before = engine.scheduler.stats.num_prefill_batches
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert all(len(o["output_ids"]) == 4 for o in outs)
-    assert [(kind, len(reqs)) for kind, reqs in sent] == [("add", 6)]
+    assert [(type(m).__name__, len(m.requests)) for m in sent] == [("AddRequests", 6)]
     assert engine.scheduler.stats.num_prefill_batches - before == 1
     # n > 1 samples of a prompt travel with the rest of their batch
     sent.clear()
     sampled = {**params, "n": 3, "temperature": 0.8, "seed": 1}
     outs = engine.generate(input_ids=prompts[:2], sampling_params=[params, sampled])
     assert len(outs) == 4
-    assert [(kind, len(reqs)) for kind, reqs in sent] == [("add", 4)]
+    assert [(type(m).__name__, len(m.requests)) for m in sent] == [("AddRequests", 4)]
     _assert_balanced(engine)
 
 
@@ -194,7 +196,7 @@ def test_a_batch_that_fails_to_submit_sends_nothing(engine, prompts_ids, monkeyp
     monkeypatch.setattr(engine.backend, "send", lambda m: (sent.append(m), real(m))[1])
     with pytest.raises(ValueError, match="duplicate request id"):
         engine.generate(input_ids=prompts_ids[:2], sampling_params=PARAMS, rid=["dup", "dup"])
-    assert sent == [] and not engine._states
+    assert sent == [] and not engine.router.states
     _assert_balanced(engine)
 
 
@@ -249,23 +251,23 @@ def test_prefix_cache_reuses_kv_with_the_same_output(prompts_ids, reference, pag
         assert all(o["meta_info"]["cached_tokens"] > 20 for o in outs)
         assert [o["output_ids"] for o in outs] == reference[1:]
         _assert_balanced(e)
-        assert e.scheduler.tree.total_size > 0
+        assert e.scheduler.cache.tree.total_size > 0
         e.flush_cache()
         for _ in range(100):
-            if e.scheduler.tree.total_size == 0:
+            if e.scheduler.cache.tree.total_size == 0:
                 break
             time.sleep(0.05)
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
+        assert e.scheduler.cache.allocator.num_free == e.scheduler.cache.allocator.num_pages
 
 
 def test_cached_slots_come_from_the_pages_as_the_table_holds_them(prompts_ids, monkeypatch):
     """The radix cache takes a finishing request's slots from its pages on the host (reading
     the device table would wait for the step in flight); they are the table's, also for
     prefixes matched from the cache and for requests chunked at a page size of 4."""
-    from loom.scheduler.scheduler import Scheduler
+    from loom.scheduler.cache import CacheManager
 
     seen = []
-    real = Scheduler._insert_computed
+    real = CacheManager._insert_computed
 
     def checked(self, req, n):
         table = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
@@ -274,7 +276,7 @@ def test_cached_slots_come_from_the_pages_as_the_table_holds_them(prompts_ids, m
         seen.append(n)
         return real(self, req, n)
 
-    monkeypatch.setattr(Scheduler, "_insert_computed", checked)
+    monkeypatch.setattr(CacheManager, "_insert_computed", checked)
     with loom.Engine(max_total_tokens=8192, page_size=4, chunked_prefill_size=32) as e:
         for _ in range(2):  # the second round matches the first's prefixes
             e.generate(input_ids=prompts_ids[:3], sampling_params=PARAMS)
@@ -287,7 +289,7 @@ def test_disable_radix_cache(prompts_ids, reference):
         outs = [e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS) for _ in range(2)]
         assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
         assert outs[1]["output_ids"] == reference[0]
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_pages
+        assert e.scheduler.cache.allocator.num_free == e.scheduler.cache.allocator.num_pages
 
 
 def test_max_new_tokens_zero(engine, prompts_ids):
@@ -392,17 +394,17 @@ def test_overlap_chains_while_waiting_requests_cannot_be_admitted(
     none of them could be admitted, decode steps still chain on the one in flight (resolving it
     first would admit nothing). Outputs equal the one-at-a-time reference, every request is
     admitted once room frees, and the pages balance."""
-    from loom.scheduler.scheduler import Scheduler
+    from loom.scheduler.prefill import PrefillManager
 
     blocked = []
-    real = Scheduler._nothing_admissible
+    real = PrefillManager.nothing_admissible
 
     def counted(self):
         out = real(self)
         blocked.append(out)
         return out
 
-    monkeypatch.setattr(Scheduler, "_nothing_admissible", counted)
+    monkeypatch.setattr(PrefillManager, "nothing_admissible", counted)
     longest = max(len(i) for i in prompts_ids) + PARAMS["max_new_tokens"]
     with loom.Engine(max_total_tokens=2 * longest + 16) as e:
         e.scheduler.overlap = True
@@ -421,10 +423,10 @@ def test_admits_every_request_whose_peak_fits_and_never_retracts(prompts_ids, mo
     their bounded peak: none is ever left waiting by a prefill step, none is retracted, the
     greedy outputs equal those generated one at a time, and the pages balance."""
     from loom.scheduler.admission import peak_pages
-    from loom.scheduler.scheduler import Scheduler
+    from loom.scheduler.prefill import PrefillManager
 
     left = []  # requests still waiting after each admission
-    real = Scheduler._schedule_extend
+    real = PrefillManager.schedule
 
     def schedule(self):
         items = real(self)
@@ -445,7 +447,7 @@ def test_admits_every_request_whose_peak_fits_and_never_retracts(prompts_ids, mo
         ]
         e.flush_cache()  # no cached prompt may shrink what admitting them takes
         retractions = e.scheduler.stats.num_retractions
-        monkeypatch.setattr(Scheduler, "_schedule_extend", schedule)
+        monkeypatch.setattr(PrefillManager, "schedule", schedule)
         outs = e.generate(input_ids=prompts_ids, sampling_params=params)
         assert [o["output_ids"] for o in outs] == ref
         assert [len(o["output_ids"]) for o in outs] == limits
@@ -461,6 +463,7 @@ def test_startup_warmup_leaves_a_clean_engine(prompts_ids, reference, monkeypatc
     engine starts clean (no cached prefix, every page free, counters at zero) and its first
     request gives the reference output."""
     import loom.engine.backends as backends
+    from loom.engine.warmup import ROUNDS
     from loom.scheduler.scheduler import Scheduler
 
     rids = []
@@ -473,12 +476,12 @@ def test_startup_warmup_leaves_a_clean_engine(prompts_ids, reference, monkeypatc
     monkeypatch.setattr(backends, "_wants_warmup", lambda runner, args: True)
     monkeypatch.setattr(Scheduler, "add_request", add)
     with loom.Engine(max_total_tokens=4096) as e:
-        assert len(rids) == 2 * (3 + len(Scheduler._WARMUP_ROUNDS))
+        assert len(rids) == 2 * (3 + len(ROUNDS))
         assert all(r.startswith("loom-warmup-") for r in rids)
         sched = e.scheduler
         assert sched.stats.num_prefill_batches == 0 and sched.stats.num_generated_tokens == 0
-        assert sched.tree.total_size == 0
-        assert sched.allocator.num_free == sched.allocator.num_pages
+        assert sched.cache.tree.total_size == 0
+        assert sched.cache.allocator.num_free == sched.cache.allocator.num_pages
         out = e.generate(input_ids=prompts_ids[0], sampling_params=PARAMS)
         assert out["output_ids"] == reference[0]
         assert out["meta_info"]["cached_tokens"] == 0
@@ -508,7 +511,8 @@ def test_step_profile_accounts_for_every_step(engine, prompts_ids):
 def test_step_profile_counts_the_wait_for_the_inflight_decode_as_decode():
     """A step that first waits for the overlapped decode step still in flight, then prefills:
     the wait goes to decode time, the rest to prefill time."""
-    from loom.scheduler.scheduler import Scheduler, SchedulerStats
+    from loom.scheduler.scheduler import Scheduler
+    from loom.scheduler.stats import SchedulerStats
 
     sched = object.__new__(Scheduler)
     sched.stats = SchedulerStats()

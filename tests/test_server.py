@@ -620,3 +620,23 @@ def test_server_killed_takes_the_scheduler_with_it():
             break
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_openapi_lists_the_request_bodies(server):
+    """The generation routes' bodies are pydantic models (``server/schemas.py``): FastAPI's
+    OpenAPI schema lists their fields, and a field they do not declare is a 400 naming it."""
+    paths = http_get(server.url + "/openapi.json").json()["paths"]
+    for path, field in [
+        ("/v1/chat/completions", "messages"),
+        ("/v1/completions", "best_of"),
+        ("/generate", "sampling_params"),
+    ]:
+        schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert field in schema["properties"] and schema["additionalProperties"] is False
+    r = http_post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "echo": True},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "echo"
+    assert "unknown field 'echo'" in r.json()["error"]["message"]

@@ -17,7 +17,7 @@ import loom
 from loom import plugins
 from loom.bench.json_schemas import SCHEMAS
 from loom.testing import check_grammar_backend
-from tests.conftest import CHAT_PROMPTS, GraphStandIn, chat_ids
+from tests.conftest import CHAT_PROMPTS, chat_ids
 
 BACKENDS = ["xgrammar", "llguidance"]
 FREE = {"max_new_tokens": 24, "temperature": 0}
@@ -302,7 +302,7 @@ def test_fused_sampling_kernels_apply_the_grammar_mask_end_to_end(
     applied by the fused sampling kernels (no library kernel), greedy and sampled rows share the
     batch with an unconstrained neighbour; every constrained output validates and the neighbour
     equals its output alone."""
-    import loom.scheduler.scheduler as sched_mod
+    import loom.sampling.batch_sampler as sched_mod
     from loom.sampling import triton_sampling
 
     calls = []
@@ -364,7 +364,7 @@ def test_all_greedy_grammar_batches_take_the_masked_argmax(gengine, free_referen
     masked_argmax (PyTorch launches, no Triton one); forced here on CPU: the same tokens as the
     library's mask kernel and argmax, beside an unconstrained greedy neighbour that equals its
     output alone, and every constrained output validates."""
-    import loom.scheduler.scheduler as sched_mod
+    import loom.sampling.batch_sampler as sched_mod
 
     e = gengine
     ids = [chat_ids(e, f"{task} Answer with a JSON object only.") for task, _ in SCHEMAS[:4]]
@@ -392,52 +392,6 @@ def test_all_greedy_grammar_batches_take_the_masked_argmax(gengine, free_referen
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         _validate(out["text"], schema)
     assert len(calls) > 20 and max(calls) == 5
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
-    reason="Triton interpreter test (CPU only; tests/gpu runs the kernels on a GPU)",
-)
-def test_grammar_batches_share_sampling_graphs(gengine, monkeypatch):
-    """Sampling graphs of grammar batches (no penalties, no bias) are kept by batch shape and
-    kernel variant: a later batch of the same kind adopts one (its parameters and seeds copied
-    in) instead of capturing. Greedy and seeded constrained rows give the tokens of the plain
-    fused path, through captures, replays and adoptions (on CPU, with a stand-in graph)."""
-    import loom.scheduler.scheduler as sched_mod
-    from loom.sampling import triton_sampling
-
-    monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
-    monkeypatch.setattr(sched_mod, "SamplingGraph", GraphStandIn)
-    monkeypatch.setattr(triton_sampling, "_CHUNK", 16384)
-    e = gengine
-    ids = [chat_ids(e, f"{task} Answer with a JSON object only.") for task, _ in SCHEMAS[:4]]
-    batches = []  # two batches of the same kind (size, mask, sampled rows with top-p)
-    for temperature, top_p in ((0.7, 0.95), (1.1, 0.8)):
-        params = []
-        for i, (_, schema) in enumerate(SCHEMAS[:4]):
-            p = {"max_new_tokens": 12, "json_schema": json.dumps(schema)}
-            sampled = {"temperature": temperature, "top_p": top_p, "seed": i}
-            p.update({"temperature": 0} if i % 2 else sampled)
-            params.append(p)
-        batches.append(params)
-
-    def run(params):
-        return [o["output_ids"] for o in e.generate(input_ids=ids, sampling_params=params)]
-
-    sched = e.scheduler
-    want = [run(params) for params in batches]
-    sched._sampling_graphs = True
-    try:
-        before = e.get_server_info()
-        runs = [run(params) for params in batches]
-        after = e.get_server_info()
-    finally:
-        sched._sampling_graphs = False
-        sched._shared_graphs.clear()
-    assert runs == want
-    captures = after["num_sampling_graph_captures"] - before["num_sampling_graph_captures"]
-    adoptions = after["num_sampling_graph_adoptions"] - before["num_sampling_graph_adoptions"]
-    assert captures == 1 and adoptions >= 1, (captures, adoptions)
 
 
 def test_structural_tag(gengine):

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import loom
-from tests.conftest import GraphStandIn, save_tiny_llama
+from tests.conftest import save_tiny_llama
 
 pytest.importorskip("triton")
 
 
 # Tests of `auto`'s choices that patch the CPU's lists (on a GPU machine the engine runs on CUDA,
 # whose lists tests/gpu covers)
-_CPU_AUTO = pytest.mark.skipif(torch.cuda.is_available(), reason="patches the CPU's auto lists")
+_CPU_AUTO = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's auto choice")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,8 @@ def test_decode_graph_runner_replays_batches_in_their_buckets(tiny_dir, monkeypa
     prompts, want = prompts + [prompts[1]], want + [want[1]]
     lens = (8, 6, 3, 7)
     with loom.Engine(attention_backend="triton", **kw) as e:
-        e.runner.cuda_graph_runner = runner = cgr.CudaGraphRunner(e.runner, 4)
+        e.runner.capture_cuda_graphs(4)
+        runner = e.runner.cuda_graph_runner
         assert runner.buckets == [1, 2, 4]
         e.scheduler.overlap = True  # chained steps: the ids come from the device
         outs = e.generate(
@@ -110,33 +111,29 @@ def test_decode_graph_runner_replays_batches_in_their_buckets(tiny_dir, monkeypa
 
 
 def test_greedy_with_several_kv_heads_per_decode_program_equals_torch_native(tiny_dir, monkeypatch):
-    """LOOM_TRITON_KVP (the decode variant reading several KV heads per program, with the
-    next tile's slots prefetched, as over fp8 caches at large batches), end to end."""
+    """The decode variant reading several KV heads per program, with the next tile's slots
+    prefetched (as over fp8 caches at large batches), end to end."""
     import loom.layers.attention.triton_backend as tb
 
     prompts, params, kw, want = _reference_run(tiny_dir)
-    monkeypatch.setattr(tb, "_FORCED_KVP", "2")
-    monkeypatch.setattr(tb, "_FORCED_PREFETCH", "1")
+    monkeypatch.setattr(tb, "kv_per_program", lambda bs, kv_dtype: 2)
+    monkeypatch.setattr(tb, "decode_prefetch", lambda bs, kv_dtype: True)
     with loom.Engine(attention_backend="triton", **kw) as e:
         assert e.runner.kv_pool.get_kv(0)[0].shape[1] >= 2
         got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     assert got == want
 
 
-def test_kv_heads_per_decode_program_by_cache_dtype_and_batch(monkeypatch):
+def test_kv_heads_per_decode_program_by_cache_dtype_and_batch():
     """Two KV heads a program over fp8 caches once one split fills the GPU; one otherwise."""
     import loom.layers.attention.triton_backend as tb
 
-    monkeypatch.setattr(tb, "_FORCED_KVP", None)
-    monkeypatch.setattr(tb, "_FORCED_PREFETCH", None)
     fp8 = torch.float8_e4m3fn
     assert [tb.kv_per_program(bs, fp8) for bs in (1, 4, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 2]
     assert {tb.kv_per_program(bs, torch.bfloat16) for bs in (1, 64, 1000)} == {1}
     # slots prefetched where two heads a program read an fp8 cache
     assert [tb.decode_prefetch(bs, fp8) for bs in (1, 32, 33, 1000)] == [False, False, True, True]
     assert not tb.decode_prefetch(1000, torch.bfloat16)
-    monkeypatch.setattr(tb, "_FORCED_KVP", "4")
-    assert tb.kv_per_program(1, torch.bfloat16) == 4
 
 
 @pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])
@@ -178,44 +175,32 @@ def test_hybrid_prefill_and_decode_backends_equal_torch_native(tiny_dir, prefill
 
 
 @_CPU_AUTO
-def test_auto_decode_switches_backend_above_a_batch_size(tiny_dir, monkeypatch):
-    """`auto` decode with a backend for large batches (on CUDA over an fp8 cache: Triton up to
-    batch 32, FlashInfer above), here on CPU with Triton up to batch 2 and torch_native above: each decode
-    step goes to the backend its batch size picks, as the batch shrinks, and the tokens equal
-    torch_native's alone."""
-    import loom.model_executor.model_runner as mr
+def test_an_out_of_tree_backend_joins_auto_by_its_priority(tiny_dir):
+    """`--attention-backend auto` ranks every registered backend by its ``auto_priority`` for
+    the device and phase: a plug-in that ranks itself above torch_native for CPU decode (here
+    Loom's Triton kernels under the interpreter, registered under another name) decodes, and
+    the tokens equal torch_native's alone. None keeps a backend out of ``auto``."""
+    from loom import plugins
+    from loom.layers.attention.triton_backend import TritonAttnBackend
 
-    prompts, _, kw, _ = _reference_run(tiny_dir)
-    prompts = prompts + [prompts[1][:9]]
-    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (3, 5, 7, 9)]
-    with loom.Engine(attention_backend="torch_native", **kw) as e:
-        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
-    monkeypatch.setitem(mr._AUTO_BACKENDS, ("cpu", "decode"), ["triton"])
-    monkeypatch.setattr(mr, "_AUTO_DECODE_LARGE", {("cpu", "model"): ("torch_native", 2)})
-    with loom.Engine(**kw) as e:
-        info = e.get_server_info()
-        assert info["attention_backend"] == (
-            "torch_native prefill + triton decode (torch_native above batch 2)"
-        )
-        assert info["decode_attention_backend"] == "triton (torch_native above batch 2)"
-        hybrid = e.runner.attn_backend
-        seen = []
-        for inner in (hybrid.decode_backend, hybrid.decode_large):
-            orig = inner.init_forward_metadata
+    class CpuDecode(TritonAttnBackend):
+        @classmethod
+        def auto_priority(cls, device, phase):
+            return 50 if phase == "decode" else None
 
-            def counted(batch, _orig=orig, _name=type(inner).__name__):
-                if batch.is_decode:
-                    seen.append((_name, batch.batch_size))
-                return _orig(batch)
-
-            inner.init_forward_metadata = counted
-        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
-        e.scheduler.check_kv_balance()
+    prompts, params, kw, want = _reference_run(tiny_dir)
+    with loom.Engine(**kw) as e:  # auto, before the plug-in: torch_native only on CPU
+        assert e.get_server_info()["attention_backend"] == "torch_native"
+    plugins.register("attention_backend", "cpu_decode_for_test", CpuDecode)
+    try:
+        with loom.Engine(**kw) as e:
+            info = e.get_server_info()
+            assert info["attention_backend"] == "torch_native prefill + cpu_decode_for_test decode"
+            got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+            e.scheduler.check_kv_balance()
+    finally:
+        plugins.unregister("attention_backend", "cpu_decode_for_test")
     assert got == want
-    sizes = {bs for _, bs in seen}
-    assert {3, 4} & sizes and {1, 2} & sizes, seen
-    for name, bs in seen:
-        assert name == ("TorchNativeAttnBackend" if bs > 2 else "TritonAttnBackend"), seen
 
 
 def test_same_backend_for_both_phases_is_one_instance(tiny_dir):
@@ -340,7 +325,7 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
     sampling kernel, counts advanced there), run on CPU under the interpreter: the same greedy
     tokens as the PyTorch path, in a batch mixing penalised, biased and plain rows, also as
     requests finish and the batch shrinks."""
-    import loom.scheduler.scheduler as sched_mod
+    import loom.sampling.batch_sampler as sched_mod
 
     prompts = [
         torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -373,59 +358,3 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
             e.scheduler.check_kv_balance()
         assert bool(calls) == fused
     assert runs[True] == runs[False]
-
-
-@_CPU_AUTO
-def test_auto_large_batch_decode_switch_is_chosen_by_kv_cache_kind(tiny_dir, monkeypatch):
-    """The large-batch decode switch is looked up by (device, KV cache kind): on CUDA only fp8
-    caches switch (to FlashInfer above batch 32); a model-dtype cache keeps one decode backend.
-    Naming the decode backend turns the switch off."""
-    import loom.model_executor.model_runner as mr
-
-    monkeypatch.setitem(mr._AUTO_BACKENDS, ("cpu", "decode"), ["triton"])
-    monkeypatch.setattr(mr, "_AUTO_DECODE_LARGE", {("cpu", "fp8"): ("torch_native", 2)})
-    kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=256, dtype="float32")
-    want = {
-        "auto": "torch_native prefill + triton decode",
-        "fp8_e4m3": "torch_native prefill + triton decode (torch_native above batch 2)",
-    }
-    for kv, name in want.items():
-        with loom.Engine(kv_cache_dtype=kv, **kw) as e:
-            assert e.get_server_info()["attention_backend"] == name
-    with loom.Engine(kv_cache_dtype="fp8_e4m3", decode_attention_backend="triton", **kw) as e:
-        assert e.get_server_info()["attention_backend"] == "torch_native prefill + triton decode"
-
-
-def test_scheduler_sampling_graph_bookkeeping_keeps_seeded_draws(tiny_dir, monkeypatch):
-    """LOOM_SAMPLING_GRAPH's scheduler side, on CPU under the interpreter with a stand-in for
-    the CUDA graph (each "replay" runs the captured function on the static inputs and advances
-    the seeds, as a replay does): seeded requests with penalties and top-p give the tokens of
-    the plain fused path, through the eager first steps, the capture, the replays and a batch
-    that shrinks (a new plan, a new capture)."""
-    import loom.scheduler.scheduler as sched_mod
-
-    prompts = [
-        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        for n in (3, 17, 40)
-    ]
-    params = [
-        {"max_new_tokens": n, "temperature": 1.2, "top_p": 0.9, "frequency_penalty": 0.4,
-         "sampling_seed": 5 + n, "ignore_eos": True}
-        for n in (9, 6, 9)
-    ]  # fmt: skip
-    kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=1024, dtype="float32")
-    monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
-    monkeypatch.setattr(sched_mod, "SamplingGraph", GraphStandIn)
-    monkeypatch.setattr(GraphStandIn, "made", [])
-    runs = {}
-    for graphs in (False, True):
-        with loom.Engine(attention_backend="torch_native", **kw) as e:
-            e.scheduler._sampling_graphs = graphs
-            runs[graphs] = [
-                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
-            ]
-            # the step profile counts the captures (what bench output reports)
-            assert e.get_server_info()["num_sampling_graph_captures"] == (2 if graphs else 0)
-    assert runs[True] == runs[False]
-    # the full batch, then the two left after one finished
-    assert GraphStandIn.made == [3, 2], GraphStandIn.made

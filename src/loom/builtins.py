@@ -1,4 +1,5 @@
-"""Loom's own members of each plug-in family, registered lazily (nothing heavy is imported)."""
+"""Loom's own members of each plug-in family: a table ``plugins`` reads and registers lazily
+(a member's module is imported only when it is resolved)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,3 @@ REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("grammar_backend", "xgrammar"): ("xgrammar",),
     ("grammar_backend", "llguidance"): ("llguidance",),
 }
-
-
-def register_all() -> None:
-    from loom.plugins import register
-
-    for family, members in BUILTINS.items():
-        for name, target in members.items():
-            register(family, name, target, requires=REQUIRES.get((family, name), ()))

@@ -71,7 +71,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _server_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(ServerArgs.from_cli_args(ns)).items()}
+    return ServerArgs.from_cli_args(ns).to_dict()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,21 +65,21 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "radix_eviction_policy",
-            "loom.mem_cache.eviction:RadixEvictionPolicy",
+            "loom.mem_cache.base:RadixEvictionPolicy",
             "--radix-eviction-policy",
             "lru",
             "Which radix-cache leaf is evicted first.",
         ),
         Family(
             "lora_eviction_policy",
-            "loom.lora.eviction:LoRAEvictionPolicy",
+            "loom.lora.base:LoRAEvictionPolicy",
             "--lora-eviction-policy",
             "lru",
             "Which LoRA adapter leaves the device pool first.",
         ),
         Family(
             "hicache_storage",
-            "loom.mem_cache.storage:HiCacheStorage",
+            "loom.mem_cache.base:HiCacheStorage",
             "--hicache-storage-backend",
             None,
             "Third-tier storage of KV pages for the hierarchical cache.",
@@ -93,14 +93,14 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "logits_processor",
-            "loom.sampling.logits_processor:LogitsProcessor",
+            "loom.sampling.base:LogitsProcessor",
             "request field `custom_logit_processor`",
             None,
             "Named logits processors installed on the server.",
         ),
         Family(
             "schedule_policy",
-            "loom.scheduler.policy:SchedulePolicy",
+            "loom.scheduler.base:SchedulePolicy",
             "--schedule-policy",
             "fcfs",
             "Order of the waiting queue.",
@@ -245,9 +245,11 @@ def is_available(entry: Entry) -> tuple[bool, str]:
 
 
 def _register_builtins() -> None:
-    from loom import builtins
+    from loom.builtins import BUILTINS, REQUIRES
 
-    builtins.register_all()
+    for family, members in BUILTINS.items():
+        for name, target in members.items():
+            register(family, name, target, requires=REQUIRES.get((family, name), ()))
 
 
 def ensure_loaded() -> None:

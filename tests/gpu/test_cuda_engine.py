@@ -80,9 +80,9 @@ def test_cuda_engine_greedy_equals_hf(tiny_dir):
         )
         e.scheduler.check_kv_balance()
         sched = e.scheduler  # idle: every page free or held (unlocked) by the radix cache
-        cached = sched.tree.total_size // sched.page_size
-        assert sched.allocator.num_free + cached == sched.allocator.num_pages
-        assert sched.tree.protected_size == 0
+        cached = sched.cache.tree.total_size // sched.cache.page_size
+        assert sched.cache.allocator.num_free + cached == sched.cache.allocator.num_pages
+        assert sched.cache.tree.protected_size == 0
     for ids, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
             # An explicit mask: else HF masks every prompt token equal to pad_token_id.
@@ -201,9 +201,9 @@ def test_hierarchical_cache_on_cuda_loads_back_through_the_copy_stream(tiny_dir,
             outs = [e.generate(input_ids=p, sampling_params=params) for p in prompts]
             assert [o["output_ids"] for o in outs] == want
         assert all(o["meta_info"]["cached_tokens"] == 36 for o in outs)
-        assert e.scheduler.tree.hstats.host_hit_tokens >= 8 * 36
+        assert e.scheduler.cache.tree.hstats.host_hit_tokens >= 8 * 36
         e.scheduler.check_kv_balance()
-        e.scheduler.tree.check()
+        e.scheduler.cache.tree.check()
     with loom.Engine(**kw) as e:  # a new engine: hits come from the storage tier
         outs = [e.generate(input_ids=p, sampling_params=params) for p in prompts[:2]]
         assert [o["output_ids"] for o in outs] == want[:2]
@@ -390,114 +390,6 @@ def test_cuda_fused_sampling_applies_a_grammar_bitmask():
     assert torch.equal(got, logits)
 
 
-def test_cuda_sampling_graph_replays_the_eager_kernels():
-    """SamplingGraph: every replay gives exactly the eager kernels' tokens for the same per-row
-    seeds (advanced by one a replay), with penalties, bias and a grammar bitmask, and the
-    penalty counts advance alike."""
-    from loom.sampling.penalties import PenaltyState
-    from loom.sampling.sampler import SamplingBatchInfo
-    from loom.sampling.sampling_params import SamplingParams
-    from loom.sampling.triton_sampling import FusedPenalties, SamplingGraph, fused_sample
-
-    bs, vocab, dev = 8, 49_152, torch.device("cuda")
-    params = [SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5)] * 6
-    params += [SamplingParams(temperature=0.0)] * 2
-    info = SamplingBatchInfo.build(params, [0] * bs, vocab, dev)
-    states = [PenaltyState(vocab, dev, capacity=bs) for _ in range(3)]  # graph, eager, warm-up
-    rows = [[st.alloc(list(range(i, i + 50))) for i in range(bs)] for st in states]
-    coef = [[0.5] * bs, [0.0] * bs, [1.0] * bs]
-    bias = [{7: 2.0, 11: -1.0}] * bs
-    extras = [FusedPenalties.build(r, coef, bias, dev) for r in rows]
-    gen = torch.Generator(device=dev).manual_seed(0)
-    mask = torch.randint(-(2**31), 2**31 - 1, (bs, vocab // 32), device=dev, dtype=torch.int32,
-                         generator=gen)  # fmt: skip
-    seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 12345
-
-    def run(state, ex):
-        return lambda lg, rs, m, _params: fused_sample(
-            lg, info.params, None, extras=ex, state=state, vocab_mask=m, row_seeds=rs
-        )
-
-    # the kernel variants compile eagerly first (as the scheduler's first steps do), never
-    # inside the capture
-    run(states[2], extras[2])(torch.randn(bs, vocab, device=dev), seeds.clone(), mask, None)
-    graph = SamplingGraph(
-        torch.empty(bs, vocab, device=dev),
-        seeds.clone(),  # advanced in place by each replay
-        run(states[0], extras[0]),
-        mask,
-        states[0],
-    )
-    eager = run(states[1], extras[1])
-    for step in range(5):
-        logits = torch.randn(bs, vocab, device=dev, generator=gen) * 3
-        got = graph(logits, mask).clone()
-        want = eager(logits.clone(), seeds + step, mask, None)
-        assert torch.equal(got, want), step
-    assert torch.equal(states[0].counts, states[1].counts)
-
-
-def test_cuda_sampling_graph_with_static_params_serves_another_batch():
-    """A SamplingGraph captured with ``params`` (a grammar batch: no penalties, no bias) reads
-    a static copy of them; after ``adopt`` with another batch's parameters and seeds, its
-    replays give exactly the eager kernels' tokens for that batch."""
-    from loom.sampling.sampler import SamplingBatchInfo
-    from loom.sampling.sampling_params import SamplingParams
-    from loom.sampling.triton_sampling import SamplingGraph, fused_sample
-
-    bs, vocab, dev = 8, 49_152, torch.device("cuda")
-    infos = [
-        SamplingBatchInfo.build(
-            [SamplingParams(temperature=t, top_p=p)] * 6 + [SamplingParams(temperature=0.0)] * 2,
-            [0] * bs, vocab, dev, with_params=True,
-        )
-        for t, p in ((0.8, 0.9), (1.2, 0.7))
-    ]  # fmt: skip
-    gen = torch.Generator(device=dev).manual_seed(1)
-    mask = torch.randint(-(2**31), 2**31 - 1, (bs, vocab // 32), device=dev, dtype=torch.int32,
-                         generator=gen)  # fmt: skip
-
-    def run(lg, rs, m, pr):
-        return fused_sample(lg, pr, None, vocab_mask=m, row_seeds=rs)
-
-    seeds = torch.arange(bs, dtype=torch.int64, device=dev) * 2**32 + 777
-    run(torch.randn(bs, vocab, device=dev), seeds.clone(), mask, infos[0].params)  # compile
-    graph = SamplingGraph(
-        torch.empty(bs, vocab, device=dev), seeds.clone(), run, mask, params=infos[0].params
-    )
-    for info, start in ((infos[0], seeds), (infos[1], seeds + 1000)):
-        graph.adopt(info.params, start)
-        for step in range(3):
-            logits = torch.randn(bs, vocab, device=dev, generator=gen) * 3
-            got = graph(logits, mask).clone()
-            want = run(logits.clone(), start + step, mask, info.params)
-            assert torch.equal(got, want), step
-
-
-def test_engine_with_sampling_graphs_gives_the_eager_tokens(tiny_dir, monkeypatch):
-    """LOOM_SAMPLING_GRAPH: seeded requests with penalties, bias and top-p give exactly the
-    tokens of eager sampling, and the graphs were used."""
-    import loom.scheduler.scheduler as sched_mod
-
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 17)]
-    params = [
-        {"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.9, "frequency_penalty": 0.4,
-         "logit_bias": {"3": 1.5}, "sampling_seed": 11 + i, "ignore_eos": True}
-        for i in range(len(prompts))
-    ]  # fmt: skip
-    runs = {}
-    for graphs in (False, True):
-        monkeypatch.setattr(sched_mod, "_SAMPLING_GRAPH", graphs)
-        with loom.Engine(**_cuda_kw(tiny_dir, "bfloat16")) as e:
-            runs[graphs] = [
-                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
-            ]
-            plan = e.scheduler._plan_cache
-            assert (plan.graph is not None) == graphs
-            e.scheduler.check_kv_balance()
-    assert runs[True] == runs[False]
-
-
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "auto"])
 def test_large_batches_replay_graphs_exactly(tmp_path, backend):
     """300 requests in bf16 (graph buckets up to 320, the tl.dot Triton decode): replayed CUDA
@@ -621,13 +513,14 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
     raises inside every chained step here, over requests finishing at different steps by
     length and by a stop token, with the radix cache taking what they computed; the tokens
     equal those without overlap."""
+    from loom.scheduler import decode as dm
     from loom.scheduler import scheduler as sm
 
     chained = []
-    real_step, real_host = sm.Scheduler._step, sm._InflightStep.host_results
+    real_step, real_host = sm.Scheduler._step, dm.InflightStep.host_results
 
     def step(self):
-        if self._inflight is None or not self._can_chain():
+        if self.decode.inflight is None or not self._can_chain():
             return real_step(self)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -637,7 +530,7 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
         chained.append(len(self.running))
         return out
 
-    def host_results(self, stats=None):  # the step's one wait: N's tokens
+    def host_results(self, stats):  # the step's one wait: N's tokens
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
@@ -656,7 +549,7 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
     for overlap in (False, True):
         if overlap:
             monkeypatch.setattr(sm.Scheduler, "_step", step)
-            monkeypatch.setattr(sm._InflightStep, "host_results", host_results)
+            monkeypatch.setattr(dm.InflightStep, "host_results", host_results)
         kw = _cuda_kw(tiny_dir, "bfloat16", disable_overlap_schedule=not overlap)
         with loom.Engine(**kw) as e:
             runs[overlap] = [

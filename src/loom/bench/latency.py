@@ -4,7 +4,6 @@ prefill time, decode time per step and output tokens/s."""
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
@@ -78,8 +77,6 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
                 "attention_backend": info["attention_backend"],
                 "model": info["model"],
                 "cuda_graphs": info.get("cuda_graphs"),
-                "gemv": os.environ.get("LOOM_GEMV", "auto"),
-                "triton_decode": os.environ.get("LOOM_TRITON_DECODE") or "default",
                 **best,
             },
         )

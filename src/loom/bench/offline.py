@@ -4,7 +4,6 @@ optionally the same requests through HF transformers ``generate()`` in the same 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from dataclasses import fields
@@ -157,7 +156,7 @@ def format_step_profile(p: dict[str, Any]) -> str:
         f"{p['time_device_wait_s']:.2f} s; {p['num_retractions']} retractions; overlapped: "
         f"{p['num_overlapped_batches']} decode, {p['num_overlapped_prefill_batches']} prefill"
     )
-    return out + sampling_graph_summary(p) + "\n  " + host_phases(p)
+    return out + "\n  " + host_phases(p)
 
 
 def host_phases(p: dict[str, Any]) -> str:
@@ -190,15 +189,6 @@ def device_timeline(p: dict[str, Any]) -> str:
         f"{p.get('num_device_idle_chained_steps', 0)} steps, the longest "
         f"{1e3 * p.get('time_device_idle_chained_max_s', 0.0):.1f} ms)"
     )
-
-
-def sampling_graph_summary(p: dict[str, Any]) -> str:
-    """The run's sampling-graph captures and adoptions (LOOM_SAMPLING_GRAPH=1), when any."""
-    n, adopted = p.get("num_sampling_graph_captures", 0), p.get("num_sampling_graph_adoptions", 0)
-    if not n and not adopted:
-        return ""
-    ms = 1000 * p.get("time_sampling_graph_capture_s", 0.0)
-    return f"; {n} sampling graph captures ({ms:.1f} ms), {adopted} adoptions"
 
 
 def build_hf_model(engine):
@@ -321,8 +311,6 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             "kv_cache_dtype": info.get("kv_cache_dtype", "auto"),
             "cuda_graphs": info.get("cuda_graphs"),
             "overlap": not server_kwargs.get("disable_overlap_schedule", False),
-            "gemv": os.environ.get("LOOM_GEMV", "auto"),
-            "triton_decode": os.environ.get("LOOM_TRITON_DECODE") or "default",
             "random_range_ratio": ns.random_range_ratio,
             "sampling": ns.sampling,
             "loom": {k: v for k, v in loom.items() if k != "output_ids"},

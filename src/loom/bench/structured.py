@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from loom.bench import append_result
-from loom.bench.offline import host_phases, sampling_graph_summary, step_profile
+from loom.bench.offline import host_phases, step_profile
 
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +85,7 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         args = engine.server_args
         info = engine.get_server_info()
         backend = build_grammar_backend(
-            args, engine.tokenizer, engine.vocab_size, engine.eos_token_ids
+            args.grammar_args, engine.tokenizer, engine.vocab_size, engine.eos_token_ids
         )
         compile_ms = []
         for _, schema in SCHEMAS:
@@ -166,7 +166,6 @@ def run_structured(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int
         f"{result['unconstrained_decode_tok_s']:.1f} tok/s "
         f"({100 * result['decode_overhead']:+.1f}%), {tokens} tokens; "
         f"{result['grammar_ended_parse']}/{result['grammar_ended']} grammar-ended outputs parse"
-        + sampling_graph_summary(steps_con)
     )
     for tag, st in (("constrained", steps_con), ("unconstrained", steps_free)):
         print(f"  {tag}: {host_phases(st)}")

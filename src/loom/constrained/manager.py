@@ -79,7 +79,8 @@ class GrammarManager:
 def build_grammar_backend(
     args: Any, tokenizer: Any, vocab_size: int, stop_token_ids
 ) -> GrammarBackend:
-    """The backend ``args.grammar_backend`` names, with the reasoner's options when it is one."""
+    """The backend ``args.grammar_backend`` names (``args``: the grammar section of the server
+    arguments), with the reasoner's options when it is one."""
     from loom import plugins
 
     cls = plugins.resolve("grammar_backend", args.grammar_backend)

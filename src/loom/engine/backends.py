@@ -20,7 +20,8 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from loom.scheduler.loop import SchedulerBatchOut, run_scheduler_loop
+from loom.scheduler.loop import run_scheduler_loop
+from loom.scheduler.messages import Message, SchedulerBatchOut, Shutdown
 
 if TYPE_CHECKING:
     from loom.config import ServerArgs
@@ -37,6 +38,7 @@ def _wants_warmup(runner, args: ServerArgs) -> bool:
 
 
 def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = None):
+    from loom.engine.warmup import warm_up
     from loom.model_executor.model_runner import ModelRunner
     from loom.scheduler.scheduler import Scheduler
 
@@ -44,13 +46,12 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
     sched = Scheduler(args, runner, eos_token_ids)
     if _wants_warmup(runner, args):
         t = time.perf_counter()
-        sched.warmup()  # Triton compiles before the first request, not inside it
+        warm_up(sched)  # Triton compiles before the first request, not inside it
         logger.info("warm-up took %.2f s", time.perf_counter() - t)
-    if runner.device.type == "cuda" and os.environ.get("LOOM_GC_FREEZE", "1") != "0":
+    if runner.device.type == "cuda":
         # What start-up built (the model's modules, graphs, compiled kernels) lives until
         # shutdown: keep it out of the collector's full passes, which otherwise walk it all
         # while a decode step waits to be launched (as vLLM does after graph capture).
-        # LOOM_GC_FREEZE=0 leaves it (for measuring)
         gc.collect()
         gc.freeze()
     info = {
@@ -102,7 +103,7 @@ class ThreadBackend:
         if self._start_error is not None:
             raise self._start_error
 
-    def _poll(self, timeout: float) -> list[tuple[str, Any]]:
+    def _poll(self, timeout: float) -> list[Message]:
         msgs = []
         try:
             msgs.append(
@@ -128,7 +129,7 @@ class ThreadBackend:
             logger.exception("scheduler loop crashed")
             self._on_failure(e)
 
-    def send(self, message: tuple[str, Any]) -> None:
+    def send(self, message: Message) -> None:
         self._inbox.put(message)
 
     def shutdown(self) -> None:
@@ -176,7 +177,7 @@ def scheduler_process_main(
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
 
-    def poll(timeout: float) -> list[tuple[str, Any]]:
+    def poll(timeout: float) -> list[Message]:
         msgs = []
         if timeout > 0 and not poller.poll(int(timeout * 1000)):
             return msgs
@@ -279,7 +280,7 @@ class ProcessBackend:
                 )
                 return
 
-    def send(self, message: tuple[str, Any]) -> None:
+    def send(self, message: Message) -> None:
         """Never blocks: a PUSH socket's blocking send waits forever once its peer is gone (a
         dead scheduler), and the caller may be the HTTP server's event loop, which would then
         stop answering anything, signals included."""
@@ -302,7 +303,7 @@ class ProcessBackend:
             return
         if self.process.is_alive():
             with contextlib.suppress(Exception):
-                self.send(("shutdown", None))
+                self.send(Shutdown())
         self._stopping.set()
         if self.process.is_alive():
             self.process.join(timeout=timeout)

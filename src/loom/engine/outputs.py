@@ -13,7 +13,7 @@ from typing import Any
 
 from loom.engine.tokenizer_manager import IncrementalDetokenizer
 from loom.sampling.sampling_params import SamplingParams
-from loom.scheduler.request import ReqOutput
+from loom.scheduler.messages import ReqOutput
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ReqState:
     finish_time: float | None = None
     emitted: int = 0  # characters of the detokenized text already handed to the caller
     logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
-    # the queue is a batch's (``Engine._wait_all``): a step's outputs for it arrive as one list
+    # the queue is a batch's (``wait_all``): a step's outputs for it arrive as one list
     shared: bool = False
 
 
@@ -128,3 +128,25 @@ def _partial_stop(text: str, stops: list[str]) -> int:
                 best = k
                 break
     return best
+
+
+def wait_all(states: list[ReqState], shared, consume) -> list[dict[str, Any]]:
+    """The results of requests whose outputs arrive on one ``shared`` queue, consumed in
+    arrival order whichever request they belong to: each output is detokenised and checked for
+    stop strings as it comes (``consume(st, out)``; a request that hit one is aborted at once,
+    not when the caller gets to it), and nothing piles up behind the request waited for."""
+    index = {st.rid: i for i, st in enumerate(states)}
+    results: list[dict[str, Any] | None] = [None] * len(states)
+    left = len(states)
+    while left:
+        got = shared.get()  # a step's outputs (a list), or one (an engine failure's abort)
+        for out in got if isinstance(got, list) else [got]:
+            i = index[out.rid]
+            st = states[i]
+            if st.finished:  # (an engine failure's abort after the request's end)
+                continue
+            inc = consume(st, out)
+            if st.finished:
+                results[i] = final_result(st, inc)
+                left -= 1
+    return results

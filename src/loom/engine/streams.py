@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loom.engine.outputs import ReqState
-from loom.scheduler.request import ReqOutput
+from loom.scheduler.messages import ReqOutput
 
 Consume = Callable[[ReqState, ReqOutput], dict[str, Any]]
 Forget = Callable[[ReqState], None]

@@ -3,6 +3,8 @@ detokenisation (correct when a multi-byte character spans tokens)."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from loom.sampling.limits import ParamError
@@ -91,3 +93,20 @@ def _check_text(text: str, where: str, param: str) -> None:
         raise ParamError(
             param, f"{where} is not valid Unicode: {e.reason} at character {e.start} ({bad})"
         ) from None
+
+
+def eos_token_ids(hf_config: Any, model_path: str, tokenizer: Any) -> set[int]:
+    """The ids that end generation: the model config's ``eos_token_id``, its
+    ``generation_config.json``'s, and the tokenizer's."""
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    gen_config = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(gen_config):
+        with open(gen_config) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return ids

@@ -111,3 +111,54 @@ def check_options(priority: Any, extra_key: Any) -> None:
         raise ParamError(
             "extra_key", f"extra_key (cache_salt) must be a string, got {show(extra_key)}"
         )
+
+
+def check_lora(name: Any, lora_names: set[str] | None) -> None:
+    """A request's ``lora_path``: None (the base model) or a loaded adapter's name."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise ValueError(f"lora_path must be an adapter name (a string), got {name!r}")
+    if lora_names is None:
+        raise ValueError(
+            f"LoRA adapter {name!r} requested, but this server has no adapters "
+            "(start it with --lora-paths NAME=PATH)"
+        )
+    if name not in lora_names:
+        raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {', '.join(sorted(lora_names))}")
+
+
+class ConstraintChecker:
+    """Compiles a request's structured-output constraint on the front end before it is
+    submitted (cached by the grammar manager), so that a bad one is refused at once; the
+    scheduler, maybe in another process, compiles its own."""
+
+    def __init__(self, grammar_args, tokenizer, vocab_size: int, eos_token_ids) -> None:
+        self.grammar_args = grammar_args
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos = set(eos_token_ids)
+        self._mgr = None
+
+    def _manager(self):
+        if self._mgr is None:
+            from loom.constrained.manager import GrammarManager, build_grammar_backend
+
+            args, tok, vocab, eos = self.grammar_args, self.tokenizer, self.vocab_size, self.eos
+            self._mgr = GrammarManager(lambda: build_grammar_backend(args, tok, vocab, eos))
+        return self._mgr
+
+    def check(self, kind: str, text: str) -> None:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if self.tokenizer is None:
+            raise ValueError(f"{kind} needs a tokenizer (started with --skip-tokenizer-init)")
+        timeout = self.grammar_args.grammar_compile_timeout
+        try:
+            self._manager().compile(kind, text, timeout=timeout)
+        except FutureTimeout as e:
+            raise ValueError(f"{kind} took longer than {timeout} s to compile") from e
+
+    def close(self) -> None:
+        if self._mgr is not None:
+            self._mgr.close()

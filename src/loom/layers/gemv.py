@@ -8,16 +8,14 @@ it by the matching slice of ``x`` in fp32 and reduces once at the end.
 
 Which of cuBLAS (``F.linear``) and this kernel runs is decided per weight shape the first time
 the shape is seen on a CUDA device (before any CUDA graph capture, which runs every shape
-eagerly first): both are timed and the faster one is kept (``LOOM_GEMV=auto``, the default).
-On the H200 the kernel won on every Llama-3-8B shape and cuBLAS on SmolLM2's LM head.
-``LOOM_GEMV=cublas`` or ``=triton`` forces one. The reference is ``torch.nn.functional.linear``
+eagerly first): both are timed and the faster one is kept. On the H200 the kernel won on every
+Llama-3-8B shape and cuBLAS on SmolLM2's LM head. The reference is ``torch.nn.functional.linear``
 (tests/test_gemv.py, on CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -105,16 +103,13 @@ def gemv(
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer should call :func:`gemv` for ``x``."""
     if not (
-        _MODE != "cublas"
-        and HAS_TRITON
+        HAS_TRITON
         and x.is_cuda
         and x.numel() == x.shape[-1]
         and weight.stride(1) == 1
         and weight.dtype in (torch.float16, torch.bfloat16)
     ):
         return False
-    if _MODE == "triton":
-        return True
     key = (tuple(weight.shape), weight.dtype, weight.device)
     choice = _CHOICE.get(key)
     if choice is None:
@@ -136,5 +131,4 @@ def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return t_triton < t_cublas
 
 
-_MODE = os.environ.get("LOOM_GEMV", "auto")
 _CHOICE: dict = {}

@@ -79,13 +79,14 @@ class LoRALinear(nn.Module):
 
 class LoRAManager:
     def __init__(self, model: nn.Module, args, device: torch.device, dtype: torch.dtype) -> None:
+        """``args``: the LoRA section of the server arguments (``LoRAArgs``)."""
         from loom.distributed import get_tp_size
         from loom.lora.adapter import parse_lora_paths
 
         if get_tp_size() > 1:
             raise ValueError("LoRA serving with tensor parallelism is not supported yet")
         self.device, self.dtype = device, dtype
-        self.num_slots = args.max_loras_per_batch  # (ServerArgs checked it is >= 1)
+        self.num_slots = args.max_loras_per_batch  # (LoRAArgs checked it is >= 1)
         self.adapters: dict[str, LoRAAdapter] = {
             name: load_adapter(name, path)
             for name, path in parse_lora_paths(args.lora_paths).items()

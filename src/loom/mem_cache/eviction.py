@@ -9,39 +9,11 @@ it any number of times (e.g. to rebuild its heap), and equal keys break ties by 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Any
 
+from loom.mem_cache.base import EvictableNode, RadixEvictionPolicy
 
-class EvictableNode(Protocol):
-    """What a policy may read from a radix-tree node."""
-
-    creation_time: float  # monotonic time the node was created
-    last_access_time: float  # monotonic time of the last match or insert through it
-    hit_count: int  # number of times a request matched through the node
-    priority: int  # max `priority` of the requests that used the subtree (higher = keep longer)
-
-
-class RadixEvictionPolicy(ABC):
-    """Orders evictable leaves. Smallest key is evicted first."""
-
-    def __init__(self, **options: Any) -> None:
-        """``options`` come from server flags (e.g. ``protected_threshold`` for slru); a policy
-        ignores the ones it does not use."""
-        self.options = options
-
-    @abstractmethod
-    def key(self, node: EvictableNode) -> Any:
-        """A sort key for ``node``; smaller keys are evicted first."""
-
-    def on_insert(self, node: EvictableNode) -> None:  # noqa: B027 - optional hook
-        """Called once when ``node`` is created."""
-
-    def on_access(self, node: EvictableNode) -> None:  # noqa: B027 - optional hook
-        """Called once each time a match or insert passes through ``node``."""
-
-    def on_remove(self, node: EvictableNode) -> None:  # noqa: B027 - optional hook
-        """Called once when ``node`` leaves the tree (evicted or merged away)."""
+__all__ = ["EvictableNode", "RadixEvictionPolicy"]
 
 
 class LRUPolicy(RadixEvictionPolicy):

@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from loom.mem_cache.eviction import RadixEvictionPolicy
+from loom.mem_cache.base import RadixEvictionPolicy
 
 
 class TreeNode:

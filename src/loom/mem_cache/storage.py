@@ -22,11 +22,13 @@ import struct
 import tempfile
 import threading
 import time
-from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from loom.mem_cache.base import HiCacheStorage
+
+__all__ = ["HiCacheStorage"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,39 +82,6 @@ def decode_page(blob: bytes) -> torch.Tensor | None:
         return t.reshape(header["shape"])
     except Exception:  # noqa: BLE001 - any malformed page is a miss
         return None
-
-
-class HiCacheStorage(ABC):
-    """A key-value store of KV pages.
-
-    Contract (``loom.testing.check_hicache_storage``): ``write`` is atomic per page (a reader
-    sees the whole page or nothing) and returns per page whether it is stored; ``read`` returns
-    None for a page that is missing, corrupt or fails its checksum (never wrong data); ``exists``
-    may be conservative (False when unsure). Backends should not raise on I/O failure: they
-    return False / None and log; the cache wraps every call anyway, so a failing store means
-    recomputation, never a failed request. Two namespaces never see each other's pages.
-    ``attach``/``detach`` bracket the store's use by one engine. Calls may come from a
-    background thread (one at a time).
-    """
-
-    def __init__(self, namespace: str, **extra_config: Any) -> None:
-        self.namespace = namespace
-        self.extra_config = extra_config
-
-    def attach(self) -> None:  # noqa: B027 - optional hook
-        """Open connections or directories."""
-
-    def detach(self) -> None:  # noqa: B027 - optional hook
-        """Release everything ``attach`` took."""
-
-    @abstractmethod
-    def read(self, keys: list[str]) -> list[torch.Tensor | None]: ...
-
-    @abstractmethod
-    def write(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]: ...
-
-    @abstractmethod
-    def exists(self, keys: list[str]) -> list[bool]: ...
 
 
 def default_storage_dir() -> Path:

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from loom.model_executor.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from loom.model_executor.model_runner import ModelRunner
+from loom.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +29,26 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.runner = runner
-        self.backend = runner.attn_backend
+    """``forward(batch, plan)``: the model's forward over a batch (``plan``: let the attention
+    backend plan it first); ``attach(batch)``: the batch with the KV pools and the backend
+    attached; ``context_len``: the longest sequence a captured batch may attend over."""
+
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch, bool], torch.Tensor],
+        attach: Callable[[ForwardBatch], ForwardBatch],
+        backend,
+        device: torch.device,
+        context_len: int,
+        max_bs: int,
+    ) -> None:
+        self.forward = forward
+        self.attach = attach
+        self.backend = backend
+        self.context_len = context_len
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
-        dev = runner.device
+        dev = device
         # The batch description as the runner packs it (input ids, positions, seq_lens,
         # req-to-token rows, new slots: one row each), so that a replay copies it in one op.
         # Padding rows decode token 0 at position 0 with seq_len 1 from row 0 into slot 0.
@@ -66,7 +77,7 @@ class CudaGraphRunner:
             seq_lens_cpu=seq_lens_cpu or [1] * bs,
             graph_bs=bs,
         )
-        return self.runner._attach(batch)
+        return self.attach(batch)
 
     def _plan(self, bs: int, seq_lens_cpu: list[int] | None = None) -> ForwardBatch:
         """``plans_on_host`` backends: plan this step outside the graph."""
@@ -77,16 +88,16 @@ class CudaGraphRunner:
     def _capture(self, bs: int) -> None:
         host_plan = self.backend.plans_on_host_for(bs)
         if host_plan:
-            self.backend.graph_wrapper(bs, self.max_bs * self.runner.model_config.context_len)
+            self.backend.graph_wrapper(bs, self.max_bs * self.context_len)
         for _ in range(2):  # compile kernels and settle the allocator outside the graph
             if host_plan:
-                self.runner._run(self._plan(bs), plan=False)
+                self.forward(self._plan(bs), False)
             else:
-                self.runner._run(self._batch(bs))
+                self.forward(self._batch(bs), True)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         batch = self._plan(bs) if host_plan else self._batch(bs)
-        self.outputs[bs] = self._record(graph, lambda: self.runner._run(batch, plan=not host_plan))
+        self.outputs[bs] = self._record(graph, lambda: self.forward(batch, not host_plan))
         self.graphs[bs] = graph
 
     def _record(self, graph, forward):

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from loom.distributed import get_tp_size
+from loom.forward_batch import ForwardBatch
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention.layer import Attention
 from loom.layers.layernorm import RMSNorm
 from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from loom.layers.rotary import get_rope, rope_params
 from loom.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from loom.model_executor.forward_batch import ForwardBatch
 from loom.model_loader.weight_utils import load_packed_weights
 from loom.models.base import CausalLM
 

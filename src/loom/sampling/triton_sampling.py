@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import random
 from dataclasses import dataclass
 
@@ -527,11 +526,10 @@ def _random_seed() -> int:
 
 def enabled(logits: torch.Tensor) -> bool:
     """The fused kernel serves CUDA logits (CPU tests call :func:`fused_sample` directly under
-    ``TRITON_INTERPRET=1``); ``LOOM_FUSED_SAMPLING=0`` keeps the PyTorch path."""
-    return _ENABLED and logits.is_cuda
+    ``TRITON_INTERPRET=1``)."""
+    return HAS_TRITON and logits.is_cuda
 
 
-_ENABLED = HAS_TRITON and os.environ.get("LOOM_FUSED_SAMPLING", "1") != "0"
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -543,7 +541,7 @@ def row_seed(seed: int, position: int) -> int:
 @dataclass
 class FusedPenalties:
     """What the kernel needs to apply penalties and logit bias itself (``fused_sample``), built
-    once per batch (``Scheduler._sampling_plan``). The counts live in a ``PenaltyState``,
+    once per batch (``BatchSampler``'s plan). The counts live in a ``PenaltyState``,
     passed at call time (it may have grown since)."""
 
     state_rows: torch.Tensor | None  # [bs] int64, -1 for rows without penalties
@@ -614,8 +612,8 @@ def fused_sample(
     applied in place there too, after them. ``greedy_only`` (every row greedy) launches only
     the prep and pick kernels; ``search=False`` (no row has top-k or top-p) skips the rounds.
     Both are the caller's promise about ``params``, which stay on the device. ``row_seeds``:
-    every row's Philox seed as an int64 device tensor (instead of ``seeds`` / ``base_seed``; what
-    a CUDA graph of these kernels reads, see :class:`SamplingGraph`)."""
+    every row's Philox seed as an int64 device tensor (instead of ``seeds`` / ``base_seed``; see
+    ``per_row_seeds``)."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
@@ -760,83 +758,14 @@ def per_row_seeds(
     bs: int, seeds: list[tuple[int, int, int]] | None, base: int | None = None
 ) -> list[int]:
     """Every row's Philox seed for one step: a seeded row's ``row_seed(seed, position)``,
-    other rows ``base`` (random when None) plus 2**32 per row. A :class:`SamplingGraph` starts
-    from these and adds one per replay, which follows a seeded row's positions exactly as the
-    eager path does and keeps the other rows' streams apart."""
+    other rows ``base`` (random when None) plus 2**32 per row. A caller that keeps these on the
+    device and adds one per step (``fused_sample(row_seeds=...)``) follows a seeded row's
+    positions exactly as the eager path does and keeps the other rows' streams apart."""
     base = _random_seed() if base is None else base
     out = [(base + (r << 32)) & _SEED_MASK for r in range(bs)]
     for row, seed, position in seeds or ():
         out[row] = row_seed(seed, position)
     return out
-
-
-class SamplingGraph:
-    """The fused sampling kernels of one batch captured in a CUDA graph: a decode step then costs
-    a copy of its logits (and of its grammar bitmask) and one replay, instead of up to six
-    Triton launches at ~29 us of host time each (bench/sampling_host.py on the H200 machine),
-    which a small model's decode step cannot hide. ``sample(logits, row_seeds, vocab_mask,
-    params)`` launches the kernels (``fused_sample`` with everything else of the batch bound;
-    ``params`` is None unless the graph was given its own, below); it is
-    captured once, on a side stream, reading static ``logits`` / ``vocab_mask`` buffers and the
-    ``row_seeds`` tensor, which every replay advances by one in place (a seeded row's output
-    position advances by one a step; the caller's tensor stays current for a later capture).
-    Valid while the batch, and so its parameters, penalty rows and bias, stays the same; the
-    penalty state's buffers must not move (``valid_for``).
-
-    With ``params`` (a batch without penalties or bias, e.g. a grammar batch), the graph reads a
-    static copy of the parameters too; ``adopt`` then hands it to another batch of the same size
-    and kernel variant
-    (its parameters and seeds copied in), so a batch that changes as requests end needs no new
-    capture."""
-
-    def __init__(self, logits, row_seeds, sample, vocab_mask=None, state=None, params=None):
-        dev = logits.device
-        self.logits = torch.empty_like(logits)
-        self.seeds = row_seeds  # advanced in place by every replay
-        self.mask = None if vocab_mask is None else torch.empty_like(vocab_mask)
-        self.params = None if params is None else params.clone()
-        self._state_ptrs = _state_ptrs(state)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            # (thread-local: the engine's other threads never touch CUDA during a capture, but
-            # a global capture mode would turn any such call into an error)
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.tokens = sample(self.logits, self.seeds, self.mask, self.params)
-                self.seeds.add_(1)
-            finally:
-                self.graph.capture_end()
-        torch.cuda.current_stream(dev).wait_stream(side)
-
-    def valid_for(self, logits: torch.Tensor, vocab_mask, state) -> bool:
-        return (
-            logits.shape == self.logits.shape
-            and logits.dtype == self.logits.dtype
-            and (vocab_mask is None) == (self.mask is None)
-            and (self.params is not None or _state_ptrs(state) == self._state_ptrs)
-        )
-
-    def adopt(self, params: torch.Tensor, row_seeds: torch.Tensor) -> None:
-        """Serve another batch of the same size and kernel variant (a graph captured with
-        ``params``): its parameters and per-row seeds are copied into the static buffers."""
-        self.params.copy_(params)
-        if row_seeds is not self.seeds:
-            self.seeds.copy_(row_seeds)
-
-    def __call__(self, logits: torch.Tensor, vocab_mask=None) -> torch.Tensor:
-        """This step's tokens (the graph's output buffer: the next replay overwrites it, after
-        everything enqueued before that replay has read it)."""
-        self.logits.copy_(logits)
-        if vocab_mask is not None:
-            self.mask.copy_(vocab_mask)
-        self.graph.replay()
-        return self.tokens
-
-
-def _state_ptrs(state) -> tuple[int, int] | None:
-    return None if state is None else (state.counts.data_ptr(), state.in_prompt.data_ptr())
 
 
 def _workspace(device: torch.device, *shapes: tuple[int, ...]) -> list[torch.Tensor]:

@@ -1,23 +1,30 @@
 """The scheduler event loop, shared by the in-process engine (a thread) and ``loom serve`` (a
-process of its own, fed over ZMQ).
-
-Messages in (tuples): ``("add", [Req, ...])`` (a batch's requests arrive together, so one
-``generate`` call's requests are scheduled together whatever the threads' timing),
-``("load_lora", (id, name, path))`` and ``("unload_lora", (id, name, None))`` (answered by an
-output for ``id`` whose ``error`` says why it failed), ``("abort", rid)``, ``("flush_cache", None)``,
-``("shutdown", None)``. Batches out: ``SchedulerBatchOut`` (the step's outputs plus load figures),
-emitted after every step that produced something and at least every ``stats_interval`` seconds.
-"""
+process of its own, fed over ZMQ): it applies the front end's messages (``messages.py``) and
+steps the scheduler while there is work, emitting a ``SchedulerBatchOut`` after every step that
+produced something and at least every ``stats_interval`` seconds."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from loom.scheduler.request import ReqOutput
+from loom.scheduler.messages import (
+    Abort,
+    AddRequests,
+    FlushCache,
+    LoadLoRA,
+    Message,
+    ReqOutput,
+    SchedulerBatchOut,
+    Shutdown,
+    UnloadLoRA,
+)
+from loom.scheduler.request import Req
+from loom.scheduler.stats import scheduler_stats
+
+__all__ = ["SchedulerBatchOut", "run_scheduler_loop"]
 
 if TYPE_CHECKING:
     from loom.scheduler.scheduler import Scheduler
@@ -25,46 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SchedulerBatchOut:
-    outputs: list[ReqOutput]
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-def scheduler_stats(sched: Scheduler) -> dict[str, Any]:
-    alloc = sched.allocator
-    used = (alloc.num_pages - alloc.num_free) * alloc.page_size
-    hstats = getattr(sched.tree, "hstats", None)
-    if hstats is not None:
-        return {
-            **_stats(sched, alloc, used),
-            "hicache_host_tokens": sched.tree.host_size,
-            "hicache_host_hit_tokens": hstats.host_hit_tokens,
-            "hicache_storage_hit_tokens": hstats.storage_hit_tokens,
-        }
-    return _stats(sched, alloc, used)
-
-
-def _stats(sched: Scheduler, alloc, used: int) -> dict[str, Any]:
-    return {
-        "num_running_reqs": len(sched.running) + (1 if sched.chunked_req else 0),
-        "num_queued_reqs": len(sched.waiting),
-        "kv_used_tokens": used,
-        "kv_cached_tokens": sched.tree.total_size if sched.tree is not None else 0,
-        "kv_cached_pages": (
-            sched.tree.total_size // alloc.page_size if sched.tree is not None else 0
-        ),
-        "kv_total_tokens": alloc.num_pages * alloc.page_size,
-        "kv_free_pages": alloc.num_free,
-        "kv_total_pages": alloc.num_pages,
-        # every SchedulerStats counter, by its field name (vars: no per-step deep copy)
-        **vars(sched.stats),
-    }
-
-
 def run_scheduler_loop(
     sched: Scheduler,
-    poll: Callable[[float], list[tuple[str, Any]]],
+    poll: Callable[[float], list[Message]],
     emit: Callable[[SchedulerBatchOut], None],
     should_stop: Callable[[], bool],
     stats_interval: float = 1.0,
@@ -81,33 +51,24 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
     last_emit = 0.0
     while not should_stop():
         stop = False
-        for kind, payload in poll(0.0 if sched.has_work else 0.05):
-            if kind == "add":
-                outputs = [out for req in payload for out in sched.add_request(req)]
+        for msg in poll(0.0 if sched.has_work else 0.05):
+            if isinstance(msg, AddRequests):
+                outputs = [
+                    out for m in msg.requests for out in sched.add_request(Req.from_message(m))
+                ]
                 if outputs:
                     emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
-            elif kind in ("load_lora", "unload_lora"):
-                rid, name, path = payload
-                try:
-                    if kind == "load_lora":
-                        error = sched.load_lora(name, path)
-                    else:
-                        error = sched.unload_lora(name)
-                except Exception as e:  # noqa: BLE001 - a bad control message ends only itself
-                    logger.exception("%s %r failed", kind, name)
-                    error = f"{kind} {name!r} failed: {type(e).__name__}: {e}"
-                reason = {"type": "stop"} if error is None else {"type": "abort", "message": error}
-                out = ReqOutput(rid, [], 0, 0, 0, reason, error)
-                emit(SchedulerBatchOut([out], scheduler_stats(sched)))
-            elif kind == "abort":
-                sched.abort(payload)
-            elif kind == "flush_cache":
+            elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+                emit(SchedulerBatchOut([_lora(sched, msg)], scheduler_stats(sched)))
+            elif isinstance(msg, Abort):
+                sched.abort(msg.rid)
+            elif isinstance(msg, FlushCache):
                 if not sched.flush_cache():
                     logger.warning("flush_cache ignored: requests are running")
-            elif kind == "shutdown":
+            elif isinstance(msg, Shutdown):
                 stop = True
             else:
-                logger.error("unknown scheduler message %r", kind)
+                logger.error("unknown scheduler message %r", msg)
         if stop:
             return
         outputs = sched.step() if sched.has_work else []
@@ -115,3 +76,18 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
         if outputs or now - last_emit > stats_interval:
             emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
             last_emit = now
+
+
+def _lora(sched, msg: LoadLoRA | UnloadLoRA) -> ReqOutput:
+    """Load or unload an adapter; the reply for the message's id (its error, if it failed)."""
+    kind = "load_lora" if isinstance(msg, LoadLoRA) else "unload_lora"
+    try:
+        if isinstance(msg, LoadLoRA):
+            error = sched.lora.load(msg.name, msg.path)
+        else:
+            error = sched.unload_lora(msg.name)
+    except Exception as e:  # noqa: BLE001 - a bad control message ends only itself
+        logger.exception("%s %r failed", kind, msg.name)
+        error = f"{kind} {msg.name!r} failed: {type(e).__name__}: {e}"
+    reason = {"type": "stop"} if error is None else {"type": "abort", "message": error}
+    return ReqOutput(msg.id, [], 0, 0, 0, reason, error)

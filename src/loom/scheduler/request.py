@@ -1,12 +1,15 @@
-"""A request as the scheduler sees it, and what the scheduler reports back per step."""
+"""A request as the scheduler sees it: its parameters and the state of its KV, sampling and
+outputs (``Req``), built from the front end's ``GenerateRequest``."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from loom.sampling.sampling_params import SamplingParams
+from loom.scheduler.messages import GenerateRequest, ReqOutput
+
+__all__ = ["Req", "ReqOutput"]
 
 
 class Req:
@@ -62,6 +65,13 @@ class Req:
         self.pending_input_logprobs: list | None = None
         self.input_logprob_acc: list = []
 
+    @classmethod
+    def from_message(cls, m: GenerateRequest) -> Req:
+        req = cls(m.rid, m.input_ids, m.sampling_params, m.priority, m.extra_key, m.lora_name)
+        req.return_logprob, req.top_logprobs_num = m.return_logprob, m.top_logprobs_num
+        req.logprob_start_len = m.logprob_start_len
+        return req
+
     @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
@@ -91,17 +101,3 @@ class Req:
             f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, "
             f"out={len(self.output_ids)}, kv={self.kv_len})"
         )
-
-
-@dataclass
-class ReqOutput:
-    """New tokens of one request after one step (``finished_reason`` set on its last output)."""
-
-    rid: str
-    new_token_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    finished_reason: dict[str, Any] | None = None
-    error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)

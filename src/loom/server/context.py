@@ -72,14 +72,17 @@ class ServerContext:
         req: ParsedRequest | None = None,
         logprobs: bool | None = None,
         logprob_start_len: int = -1,
-    ) -> AsyncIterator[dict[str, Any]]:
+        n: int = 1,
+    ) -> list[AsyncIterator[dict[str, Any]]]:
+        """The streams of ``n`` samples of one prompt (the engine's fan-out: one message to the
+        scheduler, seeded samples at seed + i)."""
         if logprobs is None:
             logprobs = req.logprobs if req else False
         try:
-            return await self.engine.async_generate(
+            out = await self.engine.async_generate(
                 prompt=text,
                 input_ids=input_ids,
-                sampling_params=sampling,
+                sampling_params={**sampling, "n": n} if n > 1 else sampling,
                 stream=True,
                 priority=req.priority if req else None,
                 extra_key=req.extra_key if req else None,
@@ -90,14 +93,4 @@ class ServerContext:
             )
         except ValueError as e:
             raise value_error(e, req.names if req else None) from e
-
-    @staticmethod
-    def choice_params(sampling: dict[str, Any], n: int, i: int) -> dict[str, Any]:
-        """Choice ``i`` of ``n`` samples of one prompt: seeded choices must still differ."""
-        params = dict(sampling)
-        if n > 1:
-            params["n"] = 1
-            for key in ("seed", "sampling_seed"):  # SGLang accepts either name
-                if isinstance(params.get(key), int) and not isinstance(params[key], bool):
-                    params[key] += i
-        return params
+        return out if isinstance(out, list) else [out]

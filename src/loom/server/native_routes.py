@@ -8,40 +8,21 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from loom.sampling.limits import show
 from loom.server.context import ServerContext
 from loom.server.errors import APIError, bad, value_error
 from loom.server.protocol import output_error
+from loom.server.schemas import GenerateBody, fields_of, openapi
 from loom.server.streaming import chained, collect, first_of, sse, stream_response
-
-_GENERATE_FIELDS = {
-    "return_logprob",
-    "top_logprobs_num",
-    "logprob_start_len",
-    "text",
-    "input_ids",
-    "sampling_params",
-    "stream",
-    "rid",
-    "priority",
-    "extra_key",
-    "lora_path",
-}
 
 
 def router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     engine, args, model_name, metrics = ctx.engine, ctx.args, ctx.model_name, ctx.metrics
-    body_of, admit, choice_params, adapters = ctx.body, ctx.admit, ctx.choice_params, ctx.adapters
+    body_of, admit, adapters = ctx.body, ctx.admit, ctx.adapters
 
-    @router.post("/generate")
+    @router.post("/generate", openapi_extra=openapi(GenerateBody))
     async def generate(request: Request):
-        body = await body_of(request)
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
-        for key in body:
-            if key not in _GENERATE_FIELDS:
-                raise bad(f"unknown field {show(key)}", key[:64])
+        body = fields_of(GenerateBody, await body_of(request))
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise bad("give exactly one of text or input_ids", "text")
@@ -70,53 +51,34 @@ def router(ctx: ServerContext) -> APIRouter:
             raise bad("rid must be a string (or a list of strings for a batch)", "rid")
         if len(params_list) != len(items):
             raise bad("sampling_params list must match the batch size", "sampling_params")
-        rids = list(
-            zip(
-                per_item["rid"],
-                per_item["priority"],
-                per_item["extra_key"],
-                per_item["lora_path"],
-                strict=True,
-            )
-        )
         lp_kw = {
             k: body[k]
             for k in ("return_logprob", "top_logprobs_num", "logprob_start_len")
             if k in body
         }
-        expanded = []  # n > 1: n requests per prompt (seeded ones get seed + i)
-        for item, sp, meta in zip(items, params_list, rids, strict=True):
+        count = 0
+        for sp in params_list:
             if not isinstance(sp, dict):
                 raise bad("sampling_params must be an object", "sampling_params")
             n = sp.get("n", 1)
-            if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 64:
-                batch = True
-                for i in range(n):
-                    r = f"{meta[0]}-{i}" if meta[0] else None
-                    expanded.append((item, choice_params(sp, n, i), (r, *meta[1:])))
-            else:
-                expanded.append((item, sp, meta))
-        admit(len(expanded))
-        streams = []
-        for (t, ids), sp, (r, prio, key, lora) in expanded:
-            try:
-                streams.append(
-                    await engine.async_generate(
-                        prompt=t,
-                        input_ids=ids,
-                        sampling_params=sp,
-                        rid=r,
-                        stream=True,
-                        priority=prio,
-                        extra_key=key,
-                        lora_path=lora,
-                        **lp_kw,
-                    )
-                )
-            except ValueError as e:
-                for s in streams:
-                    await s.aclose()
-                raise value_error(e) from e
+            count += n if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 64 else 1
+        admit(count)
+        texts = [t for t, _ in items] if text is not None else None
+        ids = [i for _, i in items] if text is None else None
+        one = not batch  # a single prompt: the engine's arguments take single values
+        try:
+            out = await engine.async_generate(
+                prompt=texts[0] if one and texts else texts,
+                input_ids=ids[0] if one and ids else ids,
+                sampling_params=params_list[0] if one else params_list,
+                stream=True,
+                **{k: v[0] if one else v for k, v in per_item.items()},
+                **lp_kw,
+            )
+        except ValueError as e:
+            raise value_error(e) from e
+        streams = out if isinstance(out, list) else [out]
+        batch = isinstance(out, list)  # (n > 1 answers a list too)
         if not stream:
             results = await collect(request, streams)
             for r in results:  # whole-request logprob lists in meta_info, as SGLang returns

@@ -9,13 +9,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from loom.server.context import ServerContext
-from loom.server.errors import value_error
+from loom.server.errors import APIError, value_error
 from loom.server.protocol import (
     finish_reason,
     output_error,
     parse_chat,
     parse_completion,
 )
+from loom.server.schemas import ChatCompletionRequest, CompletionRequest, openapi
 from loom.server.streaming import chained, collect, first_of, sse, stream_response
 
 
@@ -82,7 +83,7 @@ def router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     engine, args, model_name = ctx.engine, ctx.args, ctx.model_name
     body_of, check_model, admit, start = ctx.body, ctx.check_model, ctx.admit, ctx.start
-    choice_params, adapters = ctx.choice_params, ctx.adapters
+    adapters = ctx.adapters
 
     @router.get("/v1/models")
     async def models():
@@ -112,7 +113,7 @@ def router(ctx: ServerContext) -> APIRouter:
             ],
         }
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=openapi(ChatCompletionRequest))
     async def chat_completions(request: Request):
         req, messages = parse_chat(await body_of(request))
         check_model(req)
@@ -121,9 +122,7 @@ def router(ctx: ServerContext) -> APIRouter:
         except ValueError as e:
             raise value_error(e) from e
         admit(req.n)
-        streams = [
-            await start(ids, None, choice_params(req.sampling, req.n, i), req) for i in range(req.n)
-        ]
+        streams = await start(ids, None, req.sampling, req, n=req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
         if not req.stream:
@@ -186,7 +185,7 @@ def router(ctx: ServerContext) -> APIRouter:
 
         return stream_response(events(), rest)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=openapi(CompletionRequest))
     async def completions(request: Request):
         req, prompts = parse_completion(await body_of(request))
         check_model(req)
@@ -197,17 +196,20 @@ def router(ctx: ServerContext) -> APIRouter:
         for p in prompts:
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             prompt_texts.append(text if text is not None else _decode(engine, ids))
-            for i in range(k):
-                streams.append(
-                    await start(
-                        ids,
-                        text,
-                        choice_params(req.sampling, k, i),
-                        req,
-                        logprobs=req.logprobs or k > req.n,
-                        logprob_start_len=0 if echo_lp else -1,
-                    )
+            try:
+                streams += await start(
+                    ids,
+                    text,
+                    req.sampling,
+                    req,
+                    logprobs=req.logprobs or k > req.n,
+                    logprob_start_len=0 if echo_lp else -1,
+                    n=k,
                 )
+            except APIError:
+                for s in streams:  # the prompts before this one were submitted: abort them
+                    await s.aclose()
+                raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
 

@@ -1,6 +1,7 @@
-"""Request parsing for the OpenAI routes: every field is known, type-checked and range-checked,
-and turned into Loom's sampling parameters. Unknown fields and fields whose feature has not landed
-yet are refused with a 400 that names them: nothing is silently ignored."""
+"""Request parsing for the OpenAI routes: every field is known (``schemas.py``), type-checked and
+range-checked, and turned into Loom's sampling parameters. Unknown fields and fields whose
+feature has not landed yet are refused with a 400 that names them: nothing is silently
+ignored."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.sampling.limits import OPENAI_NAMES, ParamError, check_number, show
+from loom.sampling.limits import OPENAI_NAMES, ParamError, check_number
 from loom.sampling.sampling_params import SamplingParams
 from loom.server.errors import APIError, bad
+from loom.server.schemas import ChatCompletionRequest, CompletionRequest, fields_of
 
 # Fields whose feature arrives with a later issue: accepted by name, refused unless neutral.
 _LATER = {
@@ -42,8 +44,6 @@ _SAMPLING_FIELDS = (
     "min_tokens",
     "logit_bias",
 )
-# Metadata that does not change generation.
-_METADATA = {"user", "metadata", "store", "service_tier", "stream_options", "rid"}
 
 
 def _num(body: dict, name: str, bound: str | None = None) -> Any:
@@ -115,31 +115,9 @@ def _constraints(body: dict[str, Any], sampling: dict[str, Any]) -> None:
         )
 
 
-def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    allowed = (
-        known
-        | set(_LATER)
-        | _METADATA
-        | set(_SAMPLING_FIELDS)
-        | {
-            "model",
-            "n",
-            "stream",
-            "priority",
-            "cache_salt",
-            "lora_path",
-            "response_format",
-            "regex",
-            "ebnf",
-            "logprobs",
-            "top_logprobs",
-        }
-    )
-    for key in body:
-        if key not in allowed:
-            raise bad(f"unknown field {show(key)}", str(key)[:64])
+def parse_common(body: dict[str, Any], chat: bool) -> ParsedRequest:
+    """The fields chat and completions share (``body``: its fields, checked against the
+    route's schema)."""
     for key, neutral in _LATER.items():
         if key in body and body[key] not in neutral:
             raise bad(f"{key} is not supported yet", key)
@@ -174,7 +152,7 @@ def parse_common(body: dict[str, Any], known: set[str]) -> ParsedRequest:
     if sampling.get("max_new_tokens") == 0:  # OpenAI's minimum (Loom's own API allows 0)
         key = names["max_new_tokens"]
         raise bad(f"{key} must be an integer >= 1, got 0", key)
-    logprobs, top = _logprobs(body, chat="messages" in known)
+    logprobs, top = _logprobs(body, chat=chat)
     priority = _num(body, "priority")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
@@ -207,8 +185,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     return True, _num(body, "logprobs", "completion_logprobs")
 
 
-def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]]]:
-    req = parse_common(body, {"messages"})
+def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict[str, Any]]]:
+    body = fields_of(ChatCompletionRequest, body)
+    req = parse_common(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
@@ -242,8 +221,9 @@ def parse_chat(body: dict[str, Any]) -> tuple[ParsedRequest, list[dict[str, Any]
     return req, out
 
 
-def parse_completion(body: dict[str, Any]) -> tuple[ParsedRequest, list[str | list[int]]]:
-    req = parse_common(body, {"prompt", "echo", "best_of"})
+def parse_completion(body: Any) -> tuple[ParsedRequest, list[str | list[int]]]:
+    body = fields_of(CompletionRequest, body)
+    req = parse_common(body, chat=False)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise bad("echo must be a boolean", "echo")

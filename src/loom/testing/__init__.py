@@ -7,20 +7,20 @@ Plug-in authors call them from their own tests, e.g.::
         check_radix_eviction_policy("my_policy")
 
 Loom's own tests run every kit over every registered name. Each kit raises AssertionError with a
-message naming the broken rule.
+message naming the broken rule. One module per family: ``loom.testing.<family>``.
 """
 
 from __future__ import annotations
 
-from loom.testing.kits import (
-    check_attention_backend,
-    check_grammar_backend,
-    check_hicache_storage,
-    check_logits_processor,
-    check_lora_eviction_policy,
-    check_radix_eviction_policy,
-    check_schedule_policy,
-)
+from loom.testing.attention_backend import check_attention_backend
+from loom.testing.grammar_backend import check_grammar_backend
+from loom.testing.hicache_storage import check_hicache_storage
+from loom.testing.logits_processor import check_logits_processor
+from loom.testing.lora_eviction_policy import check_lora_eviction_policy
+from loom.testing.model import check_model
+from loom.testing.model_loader import check_model_loader
+from loom.testing.radix_eviction_policy import check_radix_eviction_policy
+from loom.testing.schedule_policy import check_schedule_policy
 
 __all__ = [
     "check_attention_backend",
@@ -28,6 +28,8 @@ __all__ = [
     "check_hicache_storage",
     "check_logits_processor",
     "check_lora_eviction_policy",
+    "check_model",
+    "check_model_loader",
     "check_radix_eviction_policy",
     "check_schedule_policy",
 ]

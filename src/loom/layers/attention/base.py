@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from loom.forward_batch import ForwardBatch
     from loom.layers.attention.layer import Attention
     from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
-    from loom.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,15 @@ class AttentionBackend(ABC):
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
         """Whether this backend has kernels for a model in ``dtype``."""
         return True
+
+    @classmethod
+    def auto_priority(cls, device: torch.device, phase: str) -> int | None:
+        """How well this backend serves ``phase`` ("prefill" or "decode") on ``device``, for
+        ``--attention-backend auto``: the registered backend with the highest priority that
+        supports the device and dtype and builds is chosen; None keeps it out of ``auto`` (the
+        default: a backend joins ``auto`` by overriding this). Loom's built-ins use 10
+        (torch_native) to 40 (the fastest measured for the phase)."""
+        return None
 
     def plans_on_host_for(self, bs: int) -> bool:
         """Whether the decode graph of batch size ``bs`` is planned on the host."""

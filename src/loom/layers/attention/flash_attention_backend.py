@@ -1,14 +1,21 @@
-"""The ``flash_attention`` backend: PyTorch's own fused SDPA kernels where they fit.
+"""The ``flash_attention`` backend: PyTorch's own fused SDPA kernels for prefill, Loom's Triton
+kernel for decode.
 
-Honestly described: prefill (extend) calls ``torch.nn.functional.scaled_dot_product_attention``
-per request in the model's dtype, which on CUDA dispatches to PyTorch's FlashAttention-2 kernel
-when the request has no cached prefix (plain causal) and to the memory-efficient kernel with an
-explicit mask when it has one (PyTorch's ``is_causal`` is top-left aligned, wrong for a prefix).
-Decode uses Loom's Triton split-KV kernel, which reads the paged pool directly and is CUDA-graph
-safe; PyTorch has no paged-KV flash kernel.
+Prefill (extend) runs the whole batch in one ``torch.nn.functional.scaled_dot_product_attention``
+call: the requests' new tokens padded to the longest extend, their KV (cached prefix and new
+tokens) gathered from the paged pool padded to the longest sequence, and one boolean mask that
+keeps each query on its own request's keys, causally after its prefix (key ``j`` is visible to
+query ``i`` of request ``b`` when ``j < seq_b`` and ``j <= prefix_b + i``). With a mask, CUDA
+dispatches it to PyTorch's memory-efficient kernel (``is_causal`` alone is top-left aligned,
+wrong for a cached prefix, and cannot separate requests). Padded query rows are dropped from the
+output; padded keys read the padding page through slot 0 and are masked. Decode uses Loom's
+Triton split-KV kernel, which reads the paged pool directly and is CUDA-graph safe; PyTorch has
+no paged-KV flash kernel.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,41 +23,71 @@ import torch.nn.functional as F
 from loom.layers.attention.triton_backend import TritonAttnBackend
 
 
+@dataclass
+class _ExtendLayout:
+    """One extend batch's padded layout, shared by every layer's forward."""
+
+    kv_slots: torch.Tensor  # [bs, max_seq]: each request's slots, slot 0 past its length
+    q_rows: torch.Tensor  # [bs, max_ext]: each padded query row's token (clamped in range)
+    mask: torch.Tensor  # [bs, 1, max_ext, max_seq] bool: keys a query sees
+    valid: torch.Tensor  # [num_tokens]: the padded rows that are real tokens, in token order
+
+
 class FlashAttentionBackend(TritonAttnBackend):
     @classmethod
-    def is_supported(cls, device: torch.device) -> bool:
-        return super().is_supported(device)
+    def auto_priority(cls, device: torch.device, phase: str) -> int | None:
+        return 20 if device.type == "cuda" else None
+
+    def prepare_host(self, batch):
+        md = super().prepare_host(batch)
+        if not batch.is_decode:
+            md.layout = self._layout(batch)
+        return md
+
+    @staticmethod
+    def _layout(batch) -> _ExtendLayout:
+        dev = batch.input_ids.device
+        prefix = torch.tensor(batch.extend_prefix_lens_cpu, dtype=torch.int64)
+        ext = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
+        seq = prefix + ext
+        max_ext, max_seq = int(ext.max()), int(seq.max())
+        starts = torch.cumsum(ext, 0) - ext
+        i = torch.arange(max_ext).unsqueeze(0)  # query position within the extend
+        j = torch.arange(max_seq).unsqueeze(0)  # key position within the sequence
+        q_valid = i < ext.unsqueeze(1)  # [bs, max_ext]
+        q_rows = (starts.unsqueeze(1) + i).clamp(max=int(ext.sum()) - 1)
+        mask = (j.unsqueeze(1) <= (prefix.unsqueeze(1) + i).unsqueeze(2)) & (
+            j < seq.unsqueeze(1)
+        ).unsqueeze(1)  # [bs, max_ext, max_seq]
+        mask &= q_valid.unsqueeze(2) | (j == 0).unsqueeze(1)  # padded rows: key 0 (no NaN)
+        table = batch.req_to_token_pool.req_to_token
+        rows = batch.req_pool_indices
+        kv_slots = table.index_select(0, rows)[:, :max_seq]
+        kv_slots = kv_slots.masked_fill(~(j < seq.unsqueeze(1)).to(dev), 0)
+        return _ExtendLayout(
+            kv_slots=kv_slots,
+            q_rows=q_rows.to(dev, non_blocking=True),
+            mask=mask.unsqueeze(1).to(dev, non_blocking=True),
+            valid=q_valid.reshape(-1).nonzero().squeeze(1).to(dev, non_blocking=True),
+        )
 
     def forward_extend(self, q, layer, batch):
+        lay: _ExtendLayout = batch.attn_metadata.layout
         pool = batch.kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
-        table = batch.req_to_token_pool.req_to_token
-        rows = batch.req_pool_indices.tolist()
-        out = torch.empty(
-            q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device
+        heads, dim = layer.num_heads, layer.head_dim
+        bs, max_ext = lay.q_rows.shape
+        qp = q.view(-1, heads, dim).index_select(0, lay.q_rows.reshape(-1))
+        qp = qp.view(bs, max_ext, heads, dim).transpose(1, 2)
+        k = pool.gather(k_buf, lay.kv_slots).to(q.dtype).transpose(1, 2)
+        v = pool.gather(v_buf, lay.kv_slots).to(q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qp,
+            k,
+            v,
+            attn_mask=lay.mask,
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        start = 0
-        for row, prefix, ext in zip(
-            rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
-        ):
-            seq = prefix + ext
-            idx = table[row, :seq]
-            qi = q[start : start + ext].view(ext, layer.num_heads, layer.head_dim).transpose(0, 1)
-            ki = pool.gather(k_buf, idx).to(q.dtype).transpose(0, 1)
-            vi = pool.gather(v_buf, idx).to(q.dtype).transpose(0, 1)
-            mask = None
-            if prefix:
-                q_pos = torch.arange(ext, device=q.device).unsqueeze(1) + prefix
-                mask = torch.arange(seq, device=q.device).unsqueeze(0) <= q_pos
-            o = F.scaled_dot_product_attention(
-                qi.unsqueeze(0),
-                ki.unsqueeze(0),
-                vi.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=layer.scaling,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )
-            out[start : start + ext] = o[0].transpose(0, 1).reshape(ext, -1)
-            start += ext
-        return out
+        o = o.transpose(1, 2).reshape(bs * max_ext, heads * dim)
+        return o.index_select(0, lay.valid)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from loom.model_executor.forward_batch import ForwardBatch
+    from loom.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):

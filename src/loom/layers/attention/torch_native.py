@@ -29,6 +29,10 @@ class _Metadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    @classmethod
+    def auto_priority(cls, device: torch.device, phase: str) -> int | None:
+        return 10  # runs everywhere: the last resort on a GPU, the only choice on a CPU
+
     def prepare_host(self, batch):
         md = _Metadata()
         if batch.is_decode:

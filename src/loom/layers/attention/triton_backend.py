@@ -15,15 +15,6 @@ import torch
 
 from loom.layers.attention.base import AttentionBackend
 
-_FORCED_SPLITS = os.environ.get("LOOM_TRITON_SPLITS")  # read once: decode calls this per layer
-# KV heads per decode program (triton_ops.decode_attention's kv_per_program); unset: see
-# kv_per_program. Capped at the model's KV heads.
-_FORCED_KVP = os.environ.get("LOOM_TRITON_KVP")
-_FORCED_PREFETCH = os.environ.get("LOOM_TRITON_PREFETCH")  # "0" / "1"; unset: decode_prefetch
-# Decode programs take the requests longest first when one split covers each (see
-# TritonAttnBackend._decode_order); "0" keeps the batch order (for measuring)
-_ORDER = os.environ.get("LOOM_TRITON_ORDER", "1") != "0"
-
 
 def num_kv_splits(bs: int) -> int:
     """Splits of each request's KV in decode: enough programs to fill the GPU, and no more,
@@ -32,9 +23,7 @@ def num_kv_splits(bs: int) -> int:
     heads, bench/attn_micro.py, session 5) 16 splits were fastest at batch 1 (6 vs 8 us with 8)
     and 1 split at batch 64, 512 and 1,000 (482 vs 581 us with 8 at 512 x 900 tokens). The
     thresholds are CUDA-graph buckets (powers of two), so a graph and the eager step it pads
-    compute the same thing. ``LOOM_TRITON_SPLITS`` overrides (for measuring)."""
-    if _FORCED_SPLITS:
-        return int(_FORCED_SPLITS)
+    compute the same thing. (bench/attn_micro.py passes other values to the kernel directly.)"""
     splits = 16
     while splits > 1 and bs > 64 // splits:
         splits //= 2
@@ -48,10 +37,7 @@ def kv_per_program(bs: int, kv_dtype: torch.dtype) -> int:
     docs/benchmarks.md, session 7): 62 vs 77 us at batch 64 x 1,024 tokens (bench/attn_micro.py),
     and the 1000-request workload ran at 11,940 output tok/s against 10,809 with one head (4
     heads: 10,692). At small batches, where the splits fill the GPU, one head was faster (6.0 vs
-    6.6 us at batch 1), and over bf16 two heads matched one (70 us at batch 64).
-    ``LOOM_TRITON_KVP`` overrides (for measuring)."""
-    if _FORCED_KVP:
-        return int(_FORCED_KVP)
+    6.6 us at batch 1), and over bf16 two heads matched one (70 us at batch 64)."""
     if kv_dtype.itemsize == 1 and num_kv_splits(bs) == 1:
         return 2
     return 1
@@ -62,9 +48,7 @@ def decode_prefetch(bs: int, kv_dtype: torch.dtype) -> bool:
     (triton_ops.decode_attention's ``prefetch``): where two KV heads a program read an fp8
     cache. On the H200 (bench/attn_micro.py --sweep, 512 requests x 850 tokens, Llama-3-8B
     heads, session 8) that took 341 vs 374 us a layer, the fastest of 24 tile / warp / stage
-    / prefetch combinations (bf16 with one head: 447 us). ``LOOM_TRITON_PREFETCH`` overrides."""
-    if _FORCED_PREFETCH:
-        return _FORCED_PREFETCH == "1"
+    / prefetch combinations (bf16 with one head: 447 us)."""
     return kv_per_program(bs, kv_dtype) > 1
 
 
@@ -85,6 +69,17 @@ class TritonAttnBackend(AttentionBackend):
         if importlib.util.find_spec("triton") is None:
             return False
         return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+    @classmethod
+    def auto_priority(cls, device: torch.device, phase: str) -> int | None:
+        """On CUDA, first for decode: it plans nothing on the host (FlashInfer's decode plans
+        every step, ~0.5 ms of a host-bound SmolLM2 step on the H200), and over a bf16 cache its
+        decode matched FlashInfer's at batch 256 and beat it at 64, 512 and 1,000 (482 vs 506 us
+        at 512 x 900 tokens, Llama-3-8B heads); over fp8 the 1000-request workload ran at 11,940
+        output tok/s against FlashInfer's 10,297. Second for prefill (see FlashInfer's)."""
+        if device.type != "cuda":
+            return None
+        return 40 if phase == "decode" else 30
 
     def prepare_host(self, batch):
         md = _Metadata()
@@ -150,6 +145,6 @@ class TritonAttnBackend(AttentionBackend):
             splits,
             kv_per_program=min(kv_per_program(batch.batch_size, k_buf.dtype), k_buf.shape[1]),
             prefetch=decode_prefetch(batch.batch_size, k_buf.dtype),
-            order=self._decode_order(batch) if splits == 1 and _ORDER else None,
+            order=self._decode_order(batch) if splits == 1 else None,
         )
         return out.view(-1, layer.num_heads * layer.head_dim)

@@ -16,19 +16,12 @@ KV slots come from the req-to-token table, so pages may lie anywhere in the pool
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from loom.mem_cache.memory_pool import FP8_DTYPES
 
-# Decode variant: "dot" runs each GQA group on tensor cores (tl.dot, group padded to 16 rows),
-# "plain" uses broadcast products in fp32. Default: dot for fp16/bf16, plain (exact) for fp32.
-# On the H200 (bench/attn_micro.py, Llama-3-8B heads, docs/benchmarks.md) dot took 5.6 vs 9.8 us
-# at batch 1 / 256 tokens and 82 vs 504 us at batch 64 / 1,024 tokens (FlashInfer: 10.4, 77 us).
-_DECODE_VARIANT = os.environ.get("LOOM_TRITON_DECODE", "")
 # fp8 K/V (FP8_DTYPES) under a 16-bit query: the dots run in fp16 (the query rounded from bf16,
 # the probabilities in [0, 1]), since fp8 -> fp16 is one conversion instruction per two elements
 # and fp8 -> bf16 goes through fp32. With bf16 dots the H200 decoded slower over an fp8 cache
@@ -253,7 +246,9 @@ def decode_attention(
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
     group's scores and outputs with ``tl.dot`` (tensor cores, group padded to 16 rows; the
     probabilities are rounded to the query dtype for the second product, as FlashInfer does)
-    instead of fp32 broadcast products. Default: see ``_DECODE_VARIANT``. ``block_n``: KV tokens
+    instead of fp32 broadcast products. Default: dot for fp16/bf16, plain (exact) for fp32: on the
+    H200 (bench/attn_micro.py, Llama-3-8B heads) dot took 5.6 vs 9.8 us at batch 1 / 256 tokens
+    and 82 vs 504 us at batch 64 / 1,024 tokens (FlashInfer: 10.4, 77 us). ``block_n``: KV tokens
     per loop iteration (default 64 for the dot variant, 32 for the plain one; for measuring,
     e.g. 128 over an fp8 cache, whose 64-token tiles carry half the bytes per round trip);
     ``num_warps`` / ``num_stages``: Triton's launch options (default: Triton's), also for
@@ -265,10 +260,7 @@ def decode_attention(
     that the grid's last programs are short ones instead of whichever requests came last
     (ragged contexts otherwise leave the GPU half idle behind a few long rows)."""
     if use_dot is None:
-        if _DECODE_VARIANT in ("dot", "plain"):
-            use_dot = _DECODE_VARIANT == "dot"
-        else:
-            use_dot = q.dtype != torch.float32
+        use_dot = q.dtype != torch.float32
     bs, num_heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group = num_heads // kv_heads

@@ -1,4 +1,5 @@
-"""What one model forward needs: flattened token tensors plus per-request layout.
+"""What one model forward needs: flattened token tensors plus per-request layout. It sits below
+the models, layers and attention backends, which all read it.
 
 Tokens of all requests are concatenated (no padding): ``input_ids``, ``positions`` and
 ``out_cache_loc`` have one entry per token, ``seq_lens``/``req_pool_indices`` one per request.
@@ -8,13 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from loom.layers.attention.base import AttentionBackend
-    from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
@@ -36,9 +33,11 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int] | None = None  # EXTEND: tokens already in the KV cache
     extend_seq_lens_cpu: list[int] | None = None  # EXTEND: new tokens per request
-    req_to_token_pool: ReqToTokenPool | None = None
-    kv_pool: KVPool | None = None
-    attn_backend: AttentionBackend | None = None
+    # Attached by the model runner: the req-to-token table (``ReqToTokenPool``), the KV pool
+    # (``KVPool``) and the attention backend (``AttentionBackend``)
+    req_to_token_pool: Any = None
+    kv_pool: Any = None
+    attn_backend: Any = None
     attn_metadata: Any = None
     graph_bs: int | None = None  # set when this batch is a CUDA graph's (padded) batch
     # EXTEND: token indices whose logits the forward returns, when the scheduler wants more than

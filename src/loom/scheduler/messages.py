@@ -1,0 +1,86 @@
+"""What the front end and the scheduler send each other: small immutable types, pickled as they
+are over ZMQ when the scheduler runs in a process of its own.
+
+In: ``AddRequests`` (a call's requests travel together, so one ``generate`` call's requests are
+scheduled together whatever the threads' timing), ``Abort``, ``FlushCache``, ``LoadLoRA`` /
+``UnloadLoRA`` (answered by a ``ReqOutput`` for their ``id`` whose ``error`` says why they
+failed) and ``Shutdown``. Out: ``SchedulerBatchOut``, a step's ``ReqOutput``s plus load figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as the front end submits it (validated there)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    extra_key: str | None = None  # a prefix-cache namespace (cache_salt; the LoRA adapter)
+    lora_name: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    requests: list[GenerateRequest]
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    pass
+
+
+@dataclass(frozen=True)
+class LoadLoRA:
+    id: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoRA:
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Message = AddRequests | Abort | FlushCache | LoadLoRA | UnloadLoRA | Shutdown
+
+
+@dataclass
+class ReqOutput:
+    """New tokens of one request after one step (``finished_reason`` set on its last output)."""
+
+    rid: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finished_reason: dict[str, Any] | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerBatchOut:
+    outputs: list[ReqOutput]
+    stats: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,79 @@
+"""The scheduler's counters (``SchedulerStats``) and the load figures it reports with every
+batch of outputs (``scheduler_stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SchedulerStats:
+    num_retractions: int = 0
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    num_overlapped_batches: int = 0  # decode steps launched before the previous one resolved
+    # prefill steps launched before the previous prefill's first tokens were applied
+    num_overlapped_prefill_batches: int = 0
+    num_mixed_batches: int = 0  # prefill batches that also decoded the running requests
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_decode_tokens: int = 0  # the decode batches' sizes, summed
+    # Host wall time inside step(), by the kind of batch the step ran, and the part of it spent
+    # blocked on the device's results (near the step time: device-bound; near 0: host-bound).
+    time_prefill_s: float = 0.0
+    time_decode_s: float = 0.0
+    time_device_wait_s: float = 0.0
+    time_grammar_wait_s: float = 0.0  # idle steps waiting only for grammar compiles
+    # Host time of decode steps by phase, device waits excluded (where a host-bound step goes):
+    # building the inputs and launching the forward (or replaying its graph); the sampling
+    # plan, logits processors, grammar masks and sampling kernels, and the copy of the tokens
+    # to the host; applying the tokens (grammar matchers, stop checks, outputs). Grammar
+    # bitmask fills are also counted alone (prefill steps' included).
+    time_forward_launch_s: float = 0.0
+    time_sampling_launch_s: float = 0.0
+    time_resolve_s: float = 0.0
+    time_grammar_mask_s: float = 0.0
+    # CUDA, from events on the stream: the device's time from the start of a decode step's
+    # forward to the end of its sampling, and for chained steps the time it sat idle between
+    # the step before and this one (0 when the host launched ahead of the device, as overlap
+    # intends; more when host work between steps, or a hidden sync, outlasts a step)
+    time_device_decode_s: float = 0.0
+    time_device_idle_chained_s: float = 0.0
+    num_device_idle_chained_steps: int = 0  # chained steps the device waited over 0.5 ms for
+    time_device_idle_chained_max_s: float = 0.0
+
+    def reset(self) -> None:
+        """Every counter back to zero, in place (the scheduler's parts share this object)."""
+        self.__init__()
+
+
+def scheduler_stats(sched) -> dict[str, Any]:
+    alloc = sched.cache.allocator
+    used = (alloc.num_pages - alloc.num_free) * alloc.page_size
+    hstats = getattr(sched.cache.tree, "hstats", None)
+    if hstats is not None:
+        return {
+            **_stats(sched, alloc, used),
+            "hicache_host_tokens": sched.cache.tree.host_size,
+            "hicache_host_hit_tokens": hstats.host_hit_tokens,
+            "hicache_storage_hit_tokens": hstats.storage_hit_tokens,
+        }
+    return _stats(sched, alloc, used)
+
+
+def _stats(sched, alloc, used: int) -> dict[str, Any]:
+    return {
+        "num_running_reqs": len(sched.decode.running) + (1 if sched.prefill.chunked_req else 0),
+        "num_queued_reqs": len(sched.prefill.waiting),
+        "kv_used_tokens": used,
+        "kv_cached_tokens": sched.cache.tree.total_size if sched.cache.tree is not None else 0,
+        "kv_cached_pages": (
+            sched.cache.tree.total_size // alloc.page_size if sched.cache.tree is not None else 0
+        ),
+        "kv_total_tokens": alloc.num_pages * alloc.page_size,
+        "kv_free_pages": alloc.num_free,
+        "kv_total_pages": alloc.num_pages,
+        # every SchedulerStats counter, by its field name (vars: no per-step deep copy)
+        **vars(sched.stats),
+    }

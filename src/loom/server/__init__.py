@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI-compatible and native routes over the engine."""
