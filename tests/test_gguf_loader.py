@@ -9,7 +9,7 @@ import torch
 
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
-from tests.test_llama_parity import _loom_logits
+from tests.test_llama_parity import _loom_logits, bound_runner
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -107,7 +107,7 @@ def tiny_gguf(tmp_path_factory):
 def test_tiny_gguf_matches_hf_on_dequantised_weights(tiny_gguf, monkeypatch):
     monkeypatch.setenv("LOOM_GGUF_CACHE", "0")
     path, hf = tiny_gguf
-    runner = ModelRunner(ServerArgs(model=path, load_format="gguf", max_total_tokens=512))
+    runner, cache = bound_runner(ServerArgs(model=path, load_format="gguf", max_total_tokens=512))
     cfg = runner.model_config.hf_config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (
         HEADS,
@@ -117,7 +117,7 @@ def test_tiny_gguf_matches_hf_on_dequantised_weights(tiny_gguf, monkeypatch):
     ids = torch.randint(0, VOCAB, (40,)).tolist()
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1]
-    got = _loom_logits(runner, ids)
+    got = _loom_logits((runner, cache), ids)
     assert (got - ref).abs().max().item() < 1e-4
 
 

@@ -7,6 +7,7 @@ import torch
 
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
+from loom.scheduler.cache import CacheManager
 from tests.conftest import CHAT_PROMPTS, chat_ids
 
 PROMPTS = [
@@ -17,16 +18,23 @@ PROMPTS = [
 ]
 
 
+def bound_runner(args: ServerArgs) -> tuple[ModelRunner, CacheManager]:
+    """A model runner and the cache manager that holds its allocator and request rows."""
+    runner = ModelRunner(args)
+    return runner, CacheManager.for_runner(args, runner)
+
+
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(ServerArgs(max_total_tokens=4096))
+    return bound_runner(ServerArgs(max_total_tokens=4096))
 
 
-def _loom_logits(runner: ModelRunner, ids: list[int], split: int | None = None) -> torch.Tensor:
+def _loom_logits(bound, ids: list[int], split: int | None = None) -> torch.Tensor:
     """Last-position logits; with ``split``, prefill ids[:split] then extend/decode the rest."""
-    row = runner.req_to_token_pool.alloc()
-    pages = runner.allocator.alloc(len(ids))
-    table = runner.req_to_token_pool.req_to_token
+    runner, cache = bound
+    row = cache.req_to_token_pool.alloc()
+    pages = cache.allocator.alloc(len(ids))
+    table = cache.req_to_token_pool.req_to_token
     table[row, : len(ids)] = torch.tensor(pages)
     try:
         if split is None:
@@ -40,8 +48,8 @@ def _loom_logits(runner: ModelRunner, ids: list[int], split: int | None = None) 
             ids[split:], list(range(split, len(ids))), [row], [split], [n]
         )[0]
     finally:
-        runner.allocator.free(pages)
-        runner.req_to_token_pool.free(row)
+        cache.allocator.free(pages)
+        cache.req_to_token_pool.free(row)
 
 
 @torch.inference_mode()

@@ -11,9 +11,8 @@ import torch
 
 import loom
 from loom.config import ServerArgs
-from loom.model_executor.model_runner import ModelRunner
 from tests.conftest import CHAT_PROMPTS, TINY_LLAMA, chat_ids, save_tiny_llama
-from tests.test_llama_parity import _loom_logits
+from tests.test_llama_parity import _loom_logits, bound_runner
 
 
 def test_safetensors_dir_gives_same_greedy_tokens(engine, hf_ref_dir):
@@ -56,7 +55,7 @@ def test_tiny_random_llama_matches_hf(tmp_path, extra):
 
     save_tiny_llama(tmp_path, **extra)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    runner = ModelRunner(ServerArgs(model=str(tmp_path), max_total_tokens=1024))
+    runner = bound_runner(ServerArgs(model=str(tmp_path), max_total_tokens=1024))
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (150,)).tolist()
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1]

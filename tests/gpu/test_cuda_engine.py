@@ -10,9 +10,8 @@ import torch
 
 import loom
 from loom.config import ServerArgs
-from loom.model_executor.model_runner import ModelRunner
 from tests.conftest import save_tiny_llama
-from tests.test_llama_parity import _loom_logits
+from tests.test_llama_parity import _loom_logits, bound_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +50,7 @@ def test_cuda_logits_match_hf_fp32(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda().eval()
-    runner = ModelRunner(
+    runner = bound_runner(
         ServerArgs(model=str(tiny_dir), device="cuda", dtype="float32", max_total_tokens=2048)
     )
     ids = torch.randint(0, TINY["vocab_size"], (200,)).tolist()
@@ -527,7 +526,7 @@ def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
             out = real_step(self)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        chained.append(len(self.running))
+        chained.append(len(self.decode.running))
         return out
 
     def host_results(self, stats):  # the step's one wait: N's tokens

@@ -1,5 +1,9 @@
 """ModelRunner: owns the device, the model, the KV memory and the attention backend, and turns
-the scheduler's host-side batches into device tensors and logits."""
+batches described by arrays (token ids, positions, request rows, slots) into logits.
+
+It sizes the KV pool and reports the capacity (``num_pages``, ``max_running_requests``); the
+cache manager creates the page allocator and the request-to-token table for it and hands the
+table back (``bind``), after which the attention backends and CUDA graphs are built."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from loom.config import device_defaults
 from loom.distributed import get_tp_size
 from loom.forward_batch import ForwardBatch, ForwardMode
 from loom.layers.attention.base import AttentionBackend, AttentionContext
-from loom.mem_cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
+from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from loom.model_loader.base import DeviceConfig, ModelConfig
 from loom.model_loader.model_path import resolve_model_path
 
@@ -85,8 +89,17 @@ class ModelRunner:
 
             self.lora_manager = LoRAManager(self.model, args.lora_args, self.device, self.dtype)
         self._init_memory()
-        self._init_attention_backend()
+        self.req_to_token_pool = None
+        self.attn_backend = None
         self.cuda_graph_runner = None
+
+    def bind(self, req_to_token_pool: ReqToTokenPool) -> None:
+        """Take the request-to-token table (the cache manager's; the attention kernels read
+        it) and build what reads it: the attention backends and, on CUDA, the decode graphs.
+        The runner forwards only once bound."""
+        args = self.args
+        self.req_to_token_pool = req_to_token_pool
+        self._init_attention_backend()
         if (
             self.device.type == "cuda"
             and not args.disable_cuda_graph
@@ -138,17 +151,13 @@ class ModelRunner:
                 f"no room for a KV cache: {max_tokens} tokens; raise "
                 "--max-total-tokens or --mem-fraction-static"
             )
+        self.num_pages = num_pages
         self.max_total_tokens = num_pages * args.page_size
         self.max_running_requests = args.max_running_requests or max(
             1, min(self.defaults.max_running_requests, self.max_total_tokens // 2)
         )
         self.kv_pool = KVPool(
             num_pages, args.page_size, num_layers, attn_heads, head_dim, kv_dtype, self.device
-        )
-        self.allocator = PageAllocator(num_pages, args.page_size)
-        # +1 spare row so a request can be set up while max_running are active (retraction).
-        self.req_to_token_pool = ReqToTokenPool(
-            self.max_running_requests + 1, self.model_config.context_len, self.device
         )
         logger.info(
             "KV pool: %d tokens (%d pages of %d), %.1f MB",

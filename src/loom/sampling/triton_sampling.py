@@ -56,14 +56,14 @@ _THRESHOLDS = 16
 # Columns per program: a row is split into chunks of this many, one program each, so that a
 # batch of 32 rows of Llama-3-8B's 128,256-entry vocabulary runs 1,024 programs a launch. On the
 # H200 one program per row (32 programs on 132 SMs) was bound by load latency: ~1 us per loop
-# iteration, +0.65-0.97 ms per 8B step at batch 32 (docs/benchmarks.md, session 5).
+# iteration, +0.65-0.97 ms per 8B step at batch 32 (docs/benchmarks.md).
 _CHUNK = 4096
 # Integer arguments that change from step to step: the random base seed, and the row strides of
 # the [k, bs] parameter rows (the batch size). Triton would specialise its compiled variants on
 # them (value 1, divisibility by 16), so a seed divisible by 16 or a batch shrinking from 16 to
 # 15 compiled a new variant in the middle of serving: on the H200 a py-spy profile of SmolLM2's
 # constrained batch-16 steps spent 28% of its sampling samples in Triton's compiler
-# (docs/benchmarks.md, session 8).
+# (docs/benchmarks.md).
 _PER_STEP = ("base_seed", "stride_p", "stride_coef")
 
 if HAS_TRITON:
@@ -604,7 +604,7 @@ def fused_sample(
     that lands in the interval still open is checked exactly and redrawn if outside the kept
     set (``_settle``), so fewer rounds trade launches (~12 us of device time each at batch 32
     on the H200) for that rare check. More thresholds a round cost more than they save
-    (session 6: 64 x 4 took 172 us against 99 us for 16 x 6, bench/sampling_host.py).
+    (64 x 4 took 172 us against 99 us for 16 x 6, bench/sampling_host.py).
     ``extras``: penalties (with ``state``, the ``PenaltyState`` holding the counts, which the
     kernel also advances by the drawn token) and logit bias, applied to ``logits`` in place
     first, in the kernel that starts the draw. ``vocab_mask``: a grammar bitmask on the device

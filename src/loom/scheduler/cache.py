@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from loom.mem_cache.builder import build_prefix_cache
+from loom.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from loom.scheduler.base import NoPrefixCache
 
 
@@ -33,9 +34,16 @@ class CacheManager:
 
     @classmethod
     def for_runner(cls, args, runner) -> CacheManager:
-        """Over the model runner's pools, with the prefix cache ``args`` (the server arguments)
-        ask for."""
-        cache = cls(runner.allocator, runner.req_to_token_pool, args.page_size)
+        """The allocator and the request rows for the model runner's capacity (its KV pool's
+        pages, its running limit), bound to the runner, with the prefix cache ``args`` (the
+        server arguments) ask for."""
+        allocator = PageAllocator(runner.num_pages, args.page_size)
+        # +1 spare row so a request can be set up while max_running are active (retraction).
+        rows = ReqToTokenPool(
+            runner.max_running_requests + 1, runner.model_config.context_len, runner.device
+        )
+        runner.bind(rows)
+        cache = cls(allocator, rows, args.page_size)
         cache.tree = build_prefix_cache(
             args.cache_args,
             args.model_args,

@@ -20,7 +20,7 @@ def num_kv_splits(bs: int) -> int:
     """Splits of each request's KV in decode: enough programs to fill the GPU, and no more,
     since each split costs a partial output and its merge. 16 up to batch 4, then halving as
     the batch doubles: 8 at batch 8, 4 at 16, 2 at 32, 1 above 32. On the H200 (Llama-3-8B
-    heads, bench/attn_micro.py, session 5) 16 splits were fastest at batch 1 (6 vs 8 us with 8)
+    heads, bench/attn_micro.py) 16 splits were fastest at batch 1 (6 vs 8 us with 8)
     and 1 split at batch 64, 512 and 1,000 (482 vs 581 us with 8 at 512 x 900 tokens). The
     thresholds are CUDA-graph buckets (powers of two), so a graph and the eager step it pads
     compute the same thing. (bench/attn_micro.py passes other values to the kernel directly.)"""
@@ -34,7 +34,7 @@ def kv_per_program(bs: int, kv_dtype: torch.dtype) -> int:
     """KV heads one decode program reads. Over an fp8 cache a head's row of a token is 128
     bytes, too short a read to keep the loads busy; two heads read as one 256-byte run did
     better once the batch alone fills the GPU (one KV split). On the H200 (Llama-3-8B heads,
-    docs/benchmarks.md, session 7): 62 vs 77 us at batch 64 x 1,024 tokens (bench/attn_micro.py),
+    docs/benchmarks.md): 62 vs 77 us at batch 64 x 1,024 tokens (bench/attn_micro.py),
     and the 1000-request workload ran at 11,940 output tok/s against 10,809 with one head (4
     heads: 10,692). At small batches, where the splits fill the GPU, one head was faster (6.0 vs
     6.6 us at batch 1), and over bf16 two heads matched one (70 us at batch 64)."""
@@ -47,7 +47,7 @@ def decode_prefetch(bs: int, kv_dtype: torch.dtype) -> bool:
     """Whether decode loads the next tile's KV slots while this tile's K/V are in flight
     (triton_ops.decode_attention's ``prefetch``): where two KV heads a program read an fp8
     cache. On the H200 (bench/attn_micro.py --sweep, 512 requests x 850 tokens, Llama-3-8B
-    heads, session 8) that took 341 vs 374 us a layer, the fastest of 24 tile / warp / stage
+    heads) that took 341 vs 374 us a layer, the fastest of 24 tile / warp / stage
     / prefetch combinations (bf16 with one head: 447 us)."""
     return kv_per_program(bs, kv_dtype) > 1
 

@@ -25,7 +25,7 @@ from loom.mem_cache.memory_pool import FP8_DTYPES
 # fp8 K/V (FP8_DTYPES) under a 16-bit query: the dots run in fp16 (the query rounded from bf16,
 # the probabilities in [0, 1]), since fp8 -> fp16 is one conversion instruction per two elements
 # and fp8 -> bf16 goes through fp32. With bf16 dots the H200 decoded slower over an fp8 cache
-# than over bf16 (docs/benchmarks.md, session 4).
+# than over bf16 (docs/benchmarks.md).
 
 
 @triton.jit
