@@ -19,10 +19,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from loom import env
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,7 @@ def ensure_loaded() -> None:
 def _discover_entry_points() -> None:
     from importlib.metadata import entry_points
 
-    allow = os.environ.get("LOOM_PLUGINS")
-    allowed = {s.strip() for s in allow.split(",") if s.strip()} if allow is not None else None
+    allowed = env.plugin_allow_list()
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if allowed is not None and ep.name not in allowed:
             continue

@@ -369,17 +369,8 @@ class Engine:
         LoRA adapter from ``--lora-paths`` (None: the base model).
         """
         lp = logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
-        rows, many = fan_out(
-            self._prepare,
-            self._check_lora,
-            prompt,
-            input_ids,
-            sampling_params,
-            rid,
-            priority,
-            extra_key,
-            lora_path,
-        )
+        options = (sampling_params, rid, priority, extra_key, lora_path)
+        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options)
         if not many:
             st = self._submit_all(rows, lp)[0]
             return self._stream(st) if stream else self._wait(st)
@@ -438,17 +429,8 @@ class Engine:
         message. ``stream=True`` returns an async iterator of increments (``text`` is the new
         text, ``output_ids`` the new ids), or for a batch or ``n > 1`` a list of them."""
         lp = logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
-        rows, many = fan_out(
-            self._prepare,
-            self._check_lora,
-            prompt,
-            input_ids,
-            sampling_params,
-            rid,
-            priority,
-            extra_key,
-            lora_path,
-        )
+        options = (sampling_params, rid, priority, extra_key, lora_path)
+        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options)
         states = self._submit_all(rows, lp, loop=asyncio.get_running_loop())
         if stream:
             streams = [AsyncStream(st, self._consume, self._forget) for st in states]

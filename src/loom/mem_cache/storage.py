@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from loom import env
 from loom.mem_cache.base import HiCacheStorage
 
 __all__ = ["HiCacheStorage"]
@@ -85,10 +86,7 @@ def decode_page(blob: bytes) -> torch.Tensor | None:
 
 
 def default_storage_dir() -> Path:
-    base = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom"
-    )
-    return Path(base) / "hicache"
+    return env.storage_root() / "hicache"
 
 
 class FileStorage(HiCacheStorage):

@@ -67,7 +67,8 @@ class ModelLoader(ABC):
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Build tensors in ``dtype`` inside the block (how the loaders build a model)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -90,6 +91,6 @@ def build_model(model_config: ModelConfig, device_config: DeviceConfig) -> nn.Mo
     from loom import plugins
 
     cls = plugins.resolve("model", model_config.architecture)
-    with _default_dtype(model_config.dtype), torch.device(device_config.device):
+    with default_dtype(model_config.dtype), torch.device(device_config.device):
         model = cls(model_config.hf_config)
     return model

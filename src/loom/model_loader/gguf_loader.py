@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from loom import env
 from loom.model_loader.base import (
     DeviceConfig,
     ModelConfig,
@@ -87,9 +88,7 @@ _WEIGHT_CACHE_MAX_FILE_BYTES = 512 * 2**20
 
 
 def cache_root() -> str:
-    return os.environ.get("LOOM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "loom"
-    )
+    return env.cache_root()
 
 
 class GGUFLoader(ModelLoader):
@@ -97,7 +96,7 @@ class GGUFLoader(ModelLoader):
         self._readers: dict[str, Any] = {}
 
     def _cache_dir(self, path: str) -> str | None:
-        if os.environ.get("LOOM_GGUF_CACHE", "1") == "0":
+        if not env.gguf_cache_enabled():
             return None
         st = os.stat(path)
         stem = os.path.basename(path).removesuffix(".gguf")

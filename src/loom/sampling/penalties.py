@@ -18,9 +18,10 @@ Semantics (the references in tests/test_sampling.py):
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from loom import env
 
 
 class PenaltyState:
@@ -112,7 +113,7 @@ if importlib.util.find_spec("triton") is not None:
 
 def _use_kernel(logits: torch.Tensor) -> bool:
     return importlib.util.find_spec("triton") is not None and (
-        logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        logits.is_cuda or env.triton_interpreter()
     )
 
 

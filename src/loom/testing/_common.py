@@ -74,16 +74,6 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@contextlib.contextmanager
 def poisoned_parameters() -> Iterator[None]:
     """Every floating-point parameter registered on any module inside the block starts as NaN,
     so one that nobody writes afterwards is found by :func:`unwritten_parameters`."""

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from loom import plugins
+from loom.model_loader.base import default_dtype
 from loom.testing._common import (
     PagedForward,
-    default_dtype,
     hf_logits,
     poisoned_parameters,
     read_safetensors,

@@ -8,11 +8,11 @@ it on CUDA.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
+from loom import env
 from loom.layers.attention.base import AttentionBackend
 
 
@@ -68,7 +68,7 @@ class TritonAttnBackend(AttentionBackend):
     def is_supported(cls, device: torch.device) -> bool:
         if importlib.util.find_spec("triton") is None:
             return False
-        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        return device.type == "cuda" or env.triton_interpreter()
 
     @classmethod
     def auto_priority(cls, device: torch.device, phase: str) -> int | None:
