@@ -82,23 +82,36 @@ def test_lone_surrogate_in_a_chat_message(engine):
         )
 
 
-def test_max_new_tokens_beyond_the_context_says_both_numbers(engine):
-    ids = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
-    ctx = engine.context_len
-    for asked in (ctx, 10**12):
-        with pytest.raises(ParamError) as info:
-            engine.generate(input_ids=ids, sampling_params={"max_new_tokens": asked})
-        msg = str(info.value)
-        assert info.value.param == "max_new_tokens"
-        assert f"{ctx} tokens" in msg and f"{len(ids)} in the prompt" in msg
-        assert f"at most {ctx - len(ids)} new tokens fit" in msg
-    # exactly what fits is accepted; the unasked default is capped silently
-    long = [100] * (ctx - 3)
-    out = engine.generate(input_ids=long, sampling_params={"max_new_tokens": 3, "temperature": 0})
-    assert out["meta_info"]["completion_tokens"] <= 3
-    out = engine.generate(input_ids=long, sampling_params={"temperature": 0, "ignore_eos": True})
-    assert out["meta_info"]["completion_tokens"] == 3
-    engine.scheduler.check_kv_balance()
+@pytest.mark.parametrize("context_length", [None, 256])
+def test_max_new_tokens_beyond_the_context_says_both_numbers(engine, context_length):
+    """The message states both numbers, at the model's own context (8192) and a short one; a
+    prompt that fills the context but three tokens is run at the short one (prefilling 8,189
+    tokens on this CPU takes most of a minute and tests nothing more)."""
+    import loom
+
+    e = engine if context_length is None else loom.Engine(context_length=context_length)
+    try:
+        ids = e.apply_chat_template([{"role": "user", "content": "Hi"}])
+        ctx = e.context_len
+        for asked in (ctx, 10**12):
+            with pytest.raises(ParamError) as info:
+                e.generate(input_ids=ids, sampling_params={"max_new_tokens": asked})
+            msg = str(info.value)
+            assert info.value.param == "max_new_tokens"
+            assert f"{ctx} tokens" in msg and f"{len(ids)} in the prompt" in msg
+            assert f"at most {ctx - len(ids)} new tokens fit" in msg
+        if context_length is None:
+            return
+        # exactly what fits is accepted; the unasked default is capped silently
+        long = [100] * (ctx - 3)
+        out = e.generate(input_ids=long, sampling_params={"max_new_tokens": 3, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] <= 3
+        out = e.generate(input_ids=long, sampling_params={"temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 3
+        e.scheduler.check_kv_balance()
+    finally:
+        if e is not engine:
+            e.shutdown()
 
 
 def test_clamp_flag_caps_max_new_tokens(smol_gguf):
