@@ -189,7 +189,7 @@ class Engine:
             vocab_size=self.vocab_size,
             context_len=self.context_len,
             tokenizer_manager=self.tokenizer_manager,
-            server_args=self.server_args,
+            sampling_args=self.server_args.sampling_args,
             check_constraint=self.constraints.check,
         )
 

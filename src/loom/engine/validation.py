@@ -12,7 +12,7 @@ from loom.sampling.limits import ParamError, check_context, check_number, show
 from loom.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from loom.config import ServerArgs
+    from loom.config import SamplingArgs
     from loom.engine.tokenizer_manager import TokenizerManager
 
 
@@ -24,7 +24,7 @@ def prepare_request(
     vocab_size: int,
     context_len: int,
     tokenizer_manager: TokenizerManager | None,
-    server_args: ServerArgs,
+    sampling_args: SamplingArgs,
     check_constraint: Callable[[str, str], None],
 ) -> tuple[list[int], SamplingParams]:
     """A request's token ids and validated sampling parameters, or a ``ValueError`` (a
@@ -64,7 +64,7 @@ def prepare_request(
         )
     room = context_len - len(input_ids)
     if params.max_new_tokens > room:
-        if explicit and not server_args.clamp_max_new_tokens:
+        if explicit and not sampling_args.clamp_max_new_tokens:
             check_context(len(input_ids), params.max_new_tokens, context_len)
         params.max_new_tokens = room
         params.min_new_tokens = min(params.min_new_tokens, room)
@@ -73,7 +73,7 @@ def prepare_request(
         from loom.sampling.sampler import get_processor
 
         if is_serialized(params.custom_logit_processor) and not (
-            server_args.enable_custom_logit_processor
+            sampling_args.enable_custom_logit_processor
         ):
             raise ValueError(
                 "custom_logit_processor: serialized (dill) processors execute code sent by "
