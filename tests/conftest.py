@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from loom.model_loader.model_path import resolve_model_path
+from loom.testing._common import TINY_LLAMA as KIT_TINY_LLAMA
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"  # git-ignored; HF's GGUF load takes ~30 s, so its result is kept here
@@ -118,15 +119,8 @@ def engine():
         yield e
 
 
-TINY_LLAMA = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+# The conformance kits' tiny Llama at HF's default initializer range
+TINY_LLAMA = {k: v for k, v in KIT_TINY_LLAMA.items() if k != "initializer_range"}
 
 
 def save_tiny_llama(path, seed: int = 0, **overrides) -> str:

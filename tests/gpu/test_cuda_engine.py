@@ -507,8 +507,8 @@ def test_cuda_rotary_store_rounds_to_fp8(kv_dtype):
 
 def test_chained_decode_steps_never_synchronise(tiny_dir, monkeypatch):
     """Under overlap a chained step (launch N+1, then resolve N) waits on the device only for
-    N's tokens. A hidden device read there waits for the step just launched: session 9's
-    ``.tolist()`` of a req-to-token row cost 14 ms a step at batch 542. torch's sync debug mode
+    N's tokens. A hidden device read there waits for the step just launched (a
+    ``.tolist()`` of a req-to-token row costs 14 ms a step at batch 542). torch's sync debug mode
     raises inside every chained step here, over requests finishing at different steps by
     length and by a stop token, with the radix cache taking what they computed; the tokens
     equal those without overlap."""
