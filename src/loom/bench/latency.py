@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from loom.bench import append_result
-from loom.bench.offline import make_requests
+from loom.bench.workload import make_requests
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from loom.bench import append_result
+from loom.bench.workload import make_requests
 from loom.scheduler.scheduler import SchedulerStats
 
 
@@ -63,19 +64,6 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
         help="penalties: temperature 0.8, top_p 0.9, frequency 0.5, presence 0.3, repetition "
         "1.1 and a logit_bias on 16 tokens, for every request (unseeded)",
     )
-
-
-def make_requests(
-    num: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int
-) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(num):
-        n_in = rng.randint(max(1, int(input_len * ratio)), input_len)
-        n_out = rng.randint(max(1, int(output_len * ratio)), output_len)
-        # Avoid the first ids, which are special tokens in most vocabularies.
-        reqs.append(([rng.randrange(min(1000, vocab // 2), vocab) for _ in range(n_in)], n_out))
-    return reqs
 
 
 def sampling_preset(name: str, vocab: int) -> dict[str, Any]:

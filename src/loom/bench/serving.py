@@ -1,22 +1,41 @@
-"""``loom bench serving``: real HTTP streaming requests (SGLang's /generate) against a running
-server, arriving as a Poisson process at a given rate; prints throughput and latency figures."""
+"""``loom bench serving``: streaming requests against a running server from several worker
+processes (``serving_client.py``), arriving as a Poisson process at a given rate or all at once.
+
+It prints throughput and latency, where the server's time went over the run (the server's
+``profile`` counters in ``/server_info``, read before and after), and whether the client itself
+was the limit: each worker's CPU use and event-loop lag, and with ``--scaling-check`` the same
+run again with twice the workers.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import random
+import math
+import multiprocessing
 import statistics
 import time
 from typing import Any
 
 from loom.bench import append_result
-from loom.bench.offline import make_requests
+from loom.bench.serving_client import ENDPOINTS, WorkerSpec, WorkItem, worker_main
+from loom.bench.workload import arrival_offsets, make_requests
+
+# SGLang's bench_serving names for the same endpoints
+_ALIASES = {"sglang": "generate", "sglang-oai": "completions", "sglang-oai-chat": "chat"}
+# A worker busier than this share of a core, or whose loop wakes this late, limited the run.
+_BUSY_CPU = 0.85
+_LATE_LOOP_S = 0.010
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument(
+        "--backend",
+        default="generate",
+        choices=(*ENDPOINTS, *_ALIASES),
+        help="generate: SGLang's /generate; completions: /v1/completions; chat: "
+        "/v1/chat/completions (SGLang's names sglang, sglang-oai, sglang-oai-chat also work)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument(
         "--request-rate",
@@ -27,50 +46,29 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=1.0)
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (split evenly over the workers)",
+    )
+    p.add_argument(
+        "--num-workers", type=int, default=1, help="client processes sending the requests"
+    )
+    p.add_argument(
+        "--scaling-check",
+        action="store_true",
+        help="run again with twice the workers (after flushing the server's prefix cache) and "
+        "report what that changed",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for the chat backend's prompt texts (default: the server's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-file", default=None, help="append a JSON line with the results")
-
-
-async def _one(client, url: str, ids: list[int], n_out: int, headers: dict) -> dict[str, Any]:
-    import httpx
-
-    body = {
-        "input_ids": ids,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True},
-    }
-    start = time.perf_counter()
-    times: list[float] = []
-    count, error = 0, None
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:  # the request failed after its stream started
-                        error = f"error event: {chunk['error'].get('message')}"
-                        continue
-                    new = len(chunk["output_ids"]) - count
-                    if new > 0:
-                        now = time.perf_counter()
-                        times.extend([now] * new)
-                        count += new
-    except httpx.HTTPError as e:
-        error = f"{type(e).__name__}: {e}"
-    end = time.perf_counter()
-    return {
-        "start": start,
-        "end": end,
-        "token_times": times,
-        "error": error,
-        "output_tokens": count,
-    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -80,12 +78,194 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+def _texts(ns: argparse.Namespace, info: dict[str, Any], reqs: list) -> list[str]:
+    """Chat prompts: the random ids decoded by the server's tokenizer (or ``--tokenizer``)."""
+    from loom import plugins
+
+    plugins.ensure_loaded()
+    loader = plugins.resolve("model_loader", info.get("load_format") or "auto")()
+    path = ns.tokenizer or info.get("tokenizer_path") or info["model_path"]
+    tok = loader.load_tokenizer(path)
+    if tok is None:
+        raise SystemExit(f"the chat backend needs a tokenizer; none found at {path} (--tokenizer)")
+    return [tok.decode(ids) for ids, _ in reqs]
+
+
+def _run_once(
+    ns: argparse.Namespace, info: dict[str, Any], items: list[WorkItem], workers: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """Send ``items`` from ``workers`` processes; returns (per-request results, per-worker
+    figures, elapsed seconds)."""
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    per_worker_conc = math.ceil(ns.max_concurrency / workers) if ns.max_concurrency else None
+    endpoint = _ALIASES.get(ns.backend, ns.backend)
+    model = info.get("served_model_name") or info.get("model")
+    ctx = multiprocessing.get_context("spawn")
+    conns, procs = [], []
+    for w in range(workers):
+        spec = WorkerSpec(ns.base_url, endpoint, model, headers, items[w::workers], per_worker_conc)
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=worker_main, args=(spec, theirs), daemon=True)
+        proc.start()
+        conns.append(mine)
+        procs.append(proc)
+    try:
+        for c in conns:
+            c.recv()  # started, libraries imported: start-up is not timed
+        start_at = time.monotonic() + 0.2
+        for c in conns:
+            c.send(start_at)
+        outs = [c.recv() for c in conns]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    elapsed = max(r["end"] for o in outs for r in o["results"]) - start_at if items else 0.0
+    results = sorted((r for o in outs for r in o["results"]), key=lambda r: r["index"])
+    return results, outs, elapsed
+
+
+def _summarize(results, outs, elapsed: float) -> dict[str, Any]:
+    ok = [r for r in results if r["error"] is None and r["chunk_times"]]
+    errors = [r["error"] for r in results if r["error"] is not None]
+    ttft = [r["chunk_times"][0] - r["start"] for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r["chunk_times"], r["chunk_times"][1:], strict=False)]
+    e2e = [r["end"] - r["start"] for r in ok]
+    tpot = [
+        (r["chunk_times"][-1] - r["chunk_times"][0]) / (r["output_tokens"] - 1)
+        for r in ok
+        if r["output_tokens"] > 1
+    ]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    chunks = sum(len(r["chunk_times"]) for r in ok)
+    lags = [x for o in outs for x in o["loop_lag_s"]]
+    cpu = [o["cpu_s"] / max(o["wall_s"], 1e-9) for o in outs]
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "errors": len(errors),
+        "error_messages": errors[:3],
+        "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed if elapsed else 0.0,
+        "output_throughput": out_tokens / elapsed if elapsed else 0.0,
+        "input_tokens": sum(r["prompt_tokens"] for r in ok),
+        "output_tokens": out_tokens,
+        "tokens_per_chunk": out_tokens / chunks if chunks else float("nan"),
+        "client_cpu": cpu,  # each worker's CPU seconds per second of the run
+        "client_loop_lag_p99_ms": 1000 * _pct(lags, 99),
+        "client_loop_lag_max_ms": 1000 * max(lags) if lags else float("nan"),
+    }
+    for name, vals in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
+        summary[f"{name}_mean_ms"] = 1000 * statistics.fmean(vals) if vals else float("nan")
+        summary[f"{name}_p50_ms"] = 1000 * _pct(vals, 50)
+        summary[f"{name}_p99_ms"] = 1000 * _pct(vals, 99)
+    summary["client_limited"] = bool(
+        max(cpu, default=0) > _BUSY_CPU or summary["client_loop_lag_p99_ms"] > 1000 * _LATE_LOOP_S
+    )
+    return summary
+
+
+# (stage, the count it is divided by) in the server's profile
+STAGES = (
+    ("output_message", "output_messages"),
+    ("receive", "output_messages"),
+    ("apply", "outputs"),
+    ("detokenize", "detokenized_tokens"),
+    ("sse", "sse_events"),
+)
+
+
+def server_profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Per-process CPU use and per-item front-end costs between two ``profile`` snapshots."""
+    wall = after["wall_s"] - before["wall_s"]
+    if wall <= 0:
+        return {}
+    d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+    out: dict[str, float] = {"wall_s": wall}
+    for proc in ("front", "scheduler"):
+        if f"{proc}_cpu_s" in d:
+            out[f"{proc}_cpu"] = d[f"{proc}_cpu_s"] / wall
+    for stage, count in STAGES:
+        out[count] = d.get(count, 0)
+        if d.get(count):
+            out[f"{stage}_us"] = 1e6 * d[f"{stage}_s"] / d[count]
+            out[f"{stage}_share"] = d[f"{stage}_s"] / wall  # of one core
+    return out
+
+
+def _engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """The engine's own figures over the run, from the scheduler's counters in server info."""
+    out: dict[str, float] = {}
+    steps = after.get("num_decode_batches", 0) - before.get("num_decode_batches", 0)
+    if steps > 0:
+        out["decode_steps"] = steps
+        out["decode_step_ms"] = 1000 * (after["time_decode_s"] - before["time_decode_s"]) / steps
+        out["mean_decode_batch"] = (
+            after["num_decode_tokens"] - before["num_decode_tokens"]
+        ) / steps
+    return out
+
+
+def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
+    print(
+        f"{'backend / workers':<28}{ns.backend} / {workers}   "
+        f"({info.get('device')}, {info.get('dtype')}, {ns.request_rate} req/s)"
+    )
+    print(
+        f"{'completed / errors':<28}{summary['completed']} / {summary['errors']} in "
+        f"{summary['duration_s']:.2f} s"
+    )
+    print(f"{'request throughput':<28}{summary['request_throughput']:.2f} req/s")
+    print(f"{'output token throughput':<28}{summary['output_throughput']:.1f} tokens/s")
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        print(
+            f"{name.upper() + ' mean / p50 / p99':<28}"
+            f"{summary[name + '_mean_ms']:.1f} / {summary[name + '_p50_ms']:.1f} / "
+            f"{summary[name + '_p99_ms']:.1f} ms"
+        )
+    print(f"{'tokens per stream event':<28}{summary['tokens_per_chunk']:.2f}")
+    cpu = " ".join(f"{c:.0%}" for c in summary["client_cpu"])
+    print(
+        f"{'client CPU per worker':<28}{cpu}   loop lag p99 "
+        f"{summary['client_loop_lag_p99_ms']:.1f} ms, max {summary['client_loop_lag_max_ms']:.1f}"
+    )
+    print(
+        f"{'client the limit?':<28}"
+        + (
+            "likely: a worker was busy or its loop ran late; add --num-workers"
+            if summary["client_limited"]
+            else "no: every worker had spare CPU and its loop woke on time"
+        )
+    )
+    eng = summary.get("engine")
+    if eng:
+        print(
+            f"{'engine decode step':<28}{eng['decode_step_ms']:.2f} ms mean over "
+            f"{eng['decode_steps']} steps (mean batch {eng['mean_decode_batch']:.1f}); "
+            f"ITL p99 = {summary['itl_p99_ms'] / eng['decode_step_ms']:.1f} steps"
+        )
+    prof = summary.get("server")
+    if prof:
+        cpu = ", ".join(
+            f"{p} {prof[p + '_cpu']:.0%}" for p in ("front", "scheduler") if p + "_cpu" in prof
+        )
+        print(f"{'server CPU per process':<28}{cpu}")
+        for stage, count in STAGES:
+            if stage + "_us" in prof:
+                print(
+                    f"{'  ' + stage:<28}{prof[stage + '_us']:.1f} us x {prof[count]} "
+                    f"({prof[stage + '_share']:.0%} of a core)"
+                )
+    for e in summary["error_messages"]:
+        print("error:", e)
+
+
 def run_serving(ns: argparse.Namespace) -> int:
     import httpx
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    with httpx.Client(base_url=ns.base_url, headers=headers, timeout=30) as c:
-        info = c.get("/server_info").json()
+    client = httpx.Client(base_url=ns.base_url, headers=headers, timeout=60)
+    info = client.get("/server_info").json()
     reqs = make_requests(
         ns.num_prompts,
         ns.random_input_len,
@@ -94,66 +274,47 @@ def run_serving(ns: argparse.Namespace) -> int:
         info["vocab_size"],
         ns.seed,
     )
-
-    async def main():
-        rng = random.Random(ns.seed)
-        sem = asyncio.Semaphore(ns.max_concurrency or len(reqs))
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(base_url=ns.base_url, timeout=None, limits=limits) as client:
-
-            async def bounded(ids, n):
-                async with sem:
-                    return await _one(client, "/generate", ids, n, headers)
-
-            tasks = []
-            for ids, n in reqs:
-                tasks.append(asyncio.create_task(bounded(ids, n)))
-                if ns.request_rate != float("inf"):
-                    await asyncio.sleep(rng.expovariate(ns.request_rate))
-            return await asyncio.gather(*tasks)
-
-    t0 = time.perf_counter()
-    results = asyncio.run(main())
-    elapsed = time.perf_counter() - t0
-    ok = [r for r in results if r["error"] is None and r["token_times"]]
-    errors = [r["error"] for r in results if r["error"] is not None]
-    ttft = [r["token_times"][0] - r["start"] for r in ok]
-    itl = [b - a for r in ok for a, b in zip(r["token_times"], r["token_times"][1:], strict=False)]
-    e2e = [r["end"] - r["start"] for r in ok]
-    out_tokens = sum(r["output_tokens"] for r in ok)
-    summary = {
+    endpoint = _ALIASES.get(ns.backend, ns.backend)
+    payloads = _texts(ns, info, reqs) if endpoint == "chat" else [ids for ids, _ in reqs]
+    offsets = arrival_offsets(len(reqs), ns.request_rate, ns.seed)
+    items = [
+        WorkItem(i, p, n, t)
+        for i, (p, (_, n), t) in enumerate(zip(payloads, reqs, offsets, strict=True))
+    ]
+    base = {
+        "backend": endpoint,
         "request_rate": ns.request_rate,
         "num_prompts": ns.num_prompts,
         "input_len": ns.random_input_len,
         "output_len": ns.random_output_len,
-        "completed": len(ok),
-        "errors": len(errors),
-        "duration_s": elapsed,
-        "request_throughput": len(ok) / elapsed,
-        "output_throughput": out_tokens / elapsed,
-        **{
-            f"{name}_{stat}_ms": 1000 * fn(vals)
-            for name, vals in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
-            for stat, fn in (
-                ("mean", lambda v: statistics.fmean(v) if v else float("nan")),
-                ("p50", lambda v: _pct(v, 50)),
-                ("p99", lambda v: _pct(v, 99)),
-            )
-        },
     }
-    print(
-        f"{'request rate':<28}{ns.request_rate} req/s   ({info.get('device')}, {info.get('dtype')})"
-    )
-    print(f"{'completed / errors':<28}{len(ok)} / {len(errors)} in {elapsed:.2f} s")
-    print(f"{'request throughput':<28}{summary['request_throughput']:.2f} req/s")
-    print(f"{'output token throughput':<28}{summary['output_throughput']:.1f} tokens/s")
-    for name in ("ttft", "itl", "e2e"):
-        print(
-            f"{name.upper() + ' mean / p50 / p99':<28}"
-            f"{summary[name + '_mean_ms']:.1f} / {summary[name + '_p50_ms']:.1f} / "
-            f"{summary[name + '_p99_ms']:.1f} ms"
-        )
-    for e in errors[:3]:
-        print("error:", e)
-    append_result(ns.result_file, summary)
-    return 0 if not errors else 1
+    runs = [ns.num_workers] + ([2 * ns.num_workers] if ns.scaling_check else [])
+    failed = False
+    first = None
+    for k, workers in enumerate(runs):
+        if k:
+            client.post("/flush_cache")  # the same prompts again: no prefix-cache hits
+            time.sleep(1.0)
+        before = client.get("/server_info").json()
+        results, outs, elapsed = _run_once(ns, info, items, workers)
+        after = client.get("/server_info").json()
+        summary = {**base, "num_workers": workers, **_summarize(results, outs, elapsed)}
+        summary["engine"] = _engine_delta(before, after)
+        if before.get("profile") and after.get("profile"):
+            summary["server"] = server_profile_delta(before["profile"], after["profile"])
+        _report(ns, info, summary, workers)
+        if first is None:
+            first = summary
+        else:
+            change = summary["output_throughput"] / max(first["output_throughput"], 1e-9) - 1
+            summary["scaling_change"] = change
+            print(
+                f"{'twice the workers':<28}{change:+.1%} output throughput: the client "
+                + ("was part of the limit" if change > 0.05 else "was not the limit")
+            )
+        append_result(ns.result_file, summary)
+        failed |= summary["errors"] > 0
+        if k + 1 < len(runs):
+            print()
+    client.close()
+    return 1 if failed else 0

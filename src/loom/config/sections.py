@@ -422,6 +422,14 @@ class HTTPArgs:
     disable_metrics: bool = field(
         default=False, metadata=_arg("Turn off the Prometheus /metrics route.")
     )
+    incremental_streaming_output: bool = field(
+        default=False,
+        metadata=_arg(
+            "Streamed /generate chunks carry only the new text and output_ids; without it each "
+            "chunk carries everything so far (SGLang's default). OpenAI streams are always "
+            "deltas."
+        ),
+    )
     max_request_body_mb: float = field(
         default=64.0,
         metadata=_arg("Largest request body accepted, in MiB (a larger one is answered 413)."),

@@ -81,6 +81,8 @@ class ThreadBackend:
     ~1.7x slower here (measured: small matmuls, 2 cores).
     """
 
+    separate_process = False
+
     def __init__(
         self,
         args: ServerArgs,
@@ -206,6 +208,8 @@ class ProcessBackend:
     directory), so Python objects are sent with pickle, as SGLang does between its processes.
     """
 
+    separate_process = True
+
     def __init__(
         self,
         args: ServerArgs,
@@ -218,6 +222,7 @@ class ProcessBackend:
 
         self._on_batch = on_batch
         self._on_failure = on_failure
+        self.receive_s = 0.0
         self._dir = tempfile.mkdtemp(prefix="loom-ipc-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
@@ -268,7 +273,9 @@ class ProcessBackend:
             except zmq.ZMQError:
                 return
             if ready:
+                t = time.perf_counter()
                 msg = self._pull.recv_pyobj()
+                self.receive_s += time.perf_counter() - t  # taking it off the socket, unpickling
                 if isinstance(msg, SchedulerBatchOut):
                     self._on_batch(msg)
                 elif msg[0] == "fatal":

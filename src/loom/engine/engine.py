@@ -13,6 +13,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -20,9 +21,10 @@ from typing import Any
 from loom import plugins
 from loom.config import ServerArgs
 from loom.engine.fan_out import fan_out
-from loom.engine.outputs import ReqState, apply_output, final_result, wait_all
+from loom.engine.outputs import ReqState, apply_output, final_result, merge_increments, wait_all
+from loom.engine.profile import FrontendProfile
 from loom.engine.router import OutputRouter
-from loom.engine.streams import AsyncStream, SyncStream
+from loom.engine.streams import AsyncStream, SyncStream, drain
 from loom.engine.tokenizer_manager import (
     IncrementalDetokenizer,
     TokenizerManager,
@@ -91,6 +93,7 @@ class Engine:
                 )
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path, tokenizer)
         self.router = OutputRouter()
+        self.profile = FrontendProfile()
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
         self.load: dict[str, Any] = {}  # the scheduler's latest load figures
@@ -134,11 +137,16 @@ class Engine:
         return self.backend.scheduler
 
     def get_server_info(self) -> dict[str, Any]:
+        scheduler_cpu = self.load.get("process_cpu_s") if self.backend.separate_process else None
         return {
             **self.server_args.to_dict(),
             **self.info,
             **self.load,
             "eos_token_ids": sorted(self.eos_token_ids),
+            "profile": {
+                **self.profile.snapshot(scheduler_cpu),
+                "receive_s": getattr(self.backend, "receive_s", 0.0),
+            },
         }
 
     # ---- outputs from the scheduler (called on the backend's thread) -----------------------
@@ -153,8 +161,11 @@ class Engine:
         self.router.metrics = value
 
     def _on_batch(self, batch: SchedulerBatchOut) -> None:
+        t = time.perf_counter()
         self.load = batch.stats
         self.router.on_batch(batch)
+        self.profile.output_messages += 1
+        self.profile.output_message_s += time.perf_counter() - t
 
     def _on_failure(self, error: BaseException) -> None:
         self._loop_error = error
@@ -304,10 +315,21 @@ class Engine:
 
     # ---- collecting outputs ---------------------------------------------------------------
 
-    def _consume(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
-        """Apply one output to the request's state; returns the increment as an SGLang dict.
-        A failure here (detokenising, a stop-string check) fails this request alone: it is
-        aborted in the scheduler and its increment carries the error."""
+    def _consume(self, st: ReqState, outs: list[ReqOutput]) -> dict[str, Any]:
+        """Apply a request's pending outputs (in order, up to the one that finishes it) to its
+        state; returns them as one increment, an SGLang dict."""
+        incs = []
+        for out in outs:
+            incs.append(self._consume_one(st, out))
+            if st.finished:
+                break
+        return merge_increments(incs)
+
+    def _consume_one(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
+        """Apply one output to the request's state. A failure here (detokenising, a
+        stop-string check) fails this request alone: it is aborted in the scheduler and its
+        increment carries the error."""
+        t = time.perf_counter()
         try:
             return self._apply_output(st, out)
         except Exception as e:  # noqa: BLE001 - isolated to this request
@@ -325,16 +347,20 @@ class Engine:
                 self.abort_request(st.rid)
             st.detok = None  # (text so far is kept by the caller; no more decoding)
             return self._apply_output(st, failed)
+        finally:
+            self.profile.outputs += 1
+            self.profile.apply_s += time.perf_counter() - t
 
     def _apply_output(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
-        inc = apply_output(st, out, self.tokenizer, self.abort_request)
+        inc = apply_output(st, out, self.tokenizer, self.abort_request, self.profile)
         if st.finished:
             self.router.forget(st.rid)
         return inc
 
     def _wait(self, st: ReqState) -> dict[str, Any]:
         while True:
-            inc = self._consume(st, st.outputs.get())
+            q = st.outputs
+            inc = self._consume(st, drain(q, q.get()))
             if st.finished:
                 return final_result(st, inc)
 
@@ -377,7 +403,7 @@ class Engine:
         if stream:
             raise ValueError("stream=True takes a single prompt with n=1")
         shared: queue.Queue = queue.Queue()
-        return wait_all(self._submit_all(rows, lp, shared=shared), shared, self._consume)
+        return wait_all(self._submit_all(rows, lp, shared=shared), shared, self._consume_one)
 
     # ---- LoRA adapters while serving ------------------------------------------------------
 
@@ -441,7 +467,8 @@ class Engine:
     async def _await_result(self, st: ReqState) -> dict[str, Any]:
         try:
             while True:
-                inc = self._consume(st, await st.outputs.get())
+                q = st.outputs
+                inc = self._consume(st, drain(q, await q.get()))
                 if st.finished:
                     return final_result(st, inc)
         except asyncio.CancelledError:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.engine.profile import FrontendProfile
 from loom.engine.tokenizer_manager import IncrementalDetokenizer
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.messages import ReqOutput
@@ -37,7 +38,11 @@ class ReqState:
 
 
 def apply_output(
-    st: ReqState, out: ReqOutput, tokenizer: Any, abort: Callable[[str], None]
+    st: ReqState,
+    out: ReqOutput,
+    tokenizer: Any,
+    abort: Callable[[str], None],
+    profile: FrontendProfile | None = None,
 ) -> dict[str, Any]:
     """Apply one scheduler output to the request's state: extend its ids, detokenise, cut at
     the earliest stop string (``abort``-ing the request if the scheduler had not finished it),
@@ -48,7 +53,11 @@ def apply_output(
     finished = out.finished_reason
     delta = ""
     if st.detok is not None:
+        t = time.perf_counter()
         added = st.detok.add(new_ids, final=finished is not None)
+        if profile is not None:
+            profile.detokenize_s += time.perf_counter() - t
+            profile.detokenized_tokens += len(new_ids)
         hit = _find_stop(st, len(added)) if added and st.params.stop else None
         if hit is not None:
             stop, cut = hit
@@ -84,6 +93,23 @@ def apply_output(
         for key, acc in st.logprobs.items():
             meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
     return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+
+
+def merge_increments(incs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Consecutive increments of one request as one (a stream that fell behind sends its
+    pending tokens in one event): texts and ids concatenated, the newest ``meta_info`` with the
+    per-increment logprob lists concatenated."""
+    if len(incs) == 1:
+        return incs[0]
+    meta = dict(incs[-1]["meta_info"])
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = [e for inc in incs for e in inc["meta_info"].get(key, ())]
+    return {
+        "text": "".join(inc["text"] for inc in incs),
+        "output_ids": [i for inc in incs for i in inc["output_ids"]],
+        "meta_info": meta,
+    }
 
 
 def _with_text(tokenizer: Any, key: str, entries: list) -> list:

@@ -8,6 +8,8 @@ reply here too. ``on_batch`` runs on the backend's thread; everything else on ca
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -67,33 +69,41 @@ class OutputRouter:
     def on_batch(self, batch: SchedulerBatchOut) -> None:
         now = time.monotonic()
         metrics = self.metrics
-        # a batch's shared queue gets the step's outputs as one list: one put and one wake-up
-        # of the waiting caller a step, not one per request (each a turn of the interpreter
-        # lock taken from this thread when it is the scheduler's)
+        with self.lock:
+            found = [
+                (out, self.states.get(out.rid), self.control.get(out.rid)) for out in batch.outputs
+            ]
+        # One hand-over per waiting queue or event loop a step, not one per request: a batch's
+        # shared queue gets the step's outputs as one list, and each event loop one callback
+        # that fills its requests' queues (each call_soon_threadsafe wakes the loop and takes
+        # the interpreter lock from this thread when it is the scheduler's or the receiver's).
         grouped: dict[int, tuple[queue.Queue, list[ReqOutput]]] = {}
-        for out in batch.outputs:
-            with self.lock:
-                st = self.states.get(out.rid)
-                control = self.control.get(out.rid)
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for out, st, control in found:
             if control is not None:  # the reply to a control message
                 control.put(out)
                 continue
-            if st is not None:
-                if metrics is not None:
-                    metrics.observe_output(st, out, now)
-                # Stamp times here: the caller may read outputs late.
-                if out.new_token_ids:
-                    if st.first_token_time is None:
-                        st.first_token_time = now
-                    st.last_token_time = now
-                if out.finished_reason is not None:
-                    st.finish_time = now
-                if st.shared:
-                    grouped.setdefault(id(st.outputs), (st.outputs, []))[1].append(out)
-                else:
-                    put(st, out)
+            if st is None:
+                continue
+            if metrics is not None:
+                metrics.observe_output(st, out, now)
+            # Stamp times here: the caller may read outputs late.
+            if out.new_token_ids:
+                if st.first_token_time is None:
+                    st.first_token_time = now
+                st.last_token_time = now
+            if out.finished_reason is not None:
+                st.finish_time = now
+            if st.shared:
+                grouped.setdefault(id(st.outputs), (st.outputs, []))[1].append(out)
+            elif st.loop is not None:
+                by_loop.setdefault(id(st.loop), (st.loop, []))[1].append((st.outputs, out))
+            else:
+                st.outputs.put(out)
         for q, outs in grouped.values():
             q.put(outs)
+        for loop, items in by_loop.values():
+            _call_soon(loop, _deliver, items)
         if metrics is not None:
             metrics.observe_load(batch.stats)
 
@@ -120,6 +130,17 @@ class OutputRouter:
 
 def put(st: ReqState, out: ReqOutput) -> None:
     if st.loop is not None:
-        st.loop.call_soon_threadsafe(st.outputs.put_nowait, out)
+        _call_soon(st.loop, st.outputs.put_nowait, out)
     else:
         st.outputs.put(out)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, ReqOutput]]) -> None:
+    """On the requests' event loop: fill their queues."""
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed loop: its callers are gone
+        loop.call_soon_threadsafe(fn, arg)

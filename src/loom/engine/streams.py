@@ -1,16 +1,30 @@
 """A request's increments as an iterator (``generate(stream=True)``) or an async iterator
-(``async_generate(stream=True)``); closing either before the end aborts the request."""
+(``async_generate(stream=True)``); closing either before the end aborts the request.
+
+Each step yields everything that arrived for the request since the last one, as one increment:
+a caller that fell behind (a slow client, a busy event loop) catches up in one event instead
+of one per token."""
 
 from __future__ import annotations
 
+import asyncio
+import queue
 from collections.abc import Callable
 from typing import Any
 
 from loom.engine.outputs import ReqState
 from loom.scheduler.messages import ReqOutput
 
-Consume = Callable[[ReqState, ReqOutput], dict[str, Any]]
+Consume = Callable[[ReqState, list[ReqOutput]], dict[str, Any]]
 Forget = Callable[[ReqState], None]
+
+
+def drain(q: queue.Queue | asyncio.Queue, first: ReqOutput) -> list[ReqOutput]:
+    """``first`` and whatever else ``q`` holds now."""
+    outs = [first]
+    while not q.empty():
+        outs.append(q.get_nowait())
+    return outs
 
 
 class SyncStream:
@@ -26,7 +40,8 @@ class SyncStream:
     def __next__(self) -> dict[str, Any]:
         if self._st.finished:
             raise StopIteration
-        return self._consume(self._st, self._st.outputs.get())
+        q = self._st.outputs
+        return self._consume(self._st, drain(q, q.get()))
 
     def close(self) -> None:
         if not self._st.finished:
@@ -49,7 +64,8 @@ class AsyncStream:
     async def __anext__(self) -> dict[str, Any]:
         if self._st.finished:
             raise StopAsyncIteration
-        return self._consume(self._st, await self._st.outputs.get())
+        q = self._st.outputs
+        return self._consume(self._st, drain(q, await q.get()))
 
     async def aclose(self) -> None:
         if not self._st.finished:

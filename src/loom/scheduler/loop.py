@@ -76,6 +76,7 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
         if outputs or now - last_emit > stats_interval:
             emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
             last_emit = now
+            sched.stats.time_emit_s += time.monotonic() - now
 
 
 def _lora(sched, msg: LoadLoRA | UnloadLoRA) -> ReqOutput:

@@ -3,6 +3,7 @@ batch of outputs (``scheduler_stats``)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ class SchedulerStats:
     time_device_idle_chained_s: float = 0.0
     num_device_idle_chained_steps: int = 0  # chained steps the device waited over 0.5 ms for
     time_device_idle_chained_max_s: float = 0.0
+    # handing each step's outputs to the front end (pickling and sending them, for a process)
+    time_emit_s: float = 0.0
 
     def reset(self) -> None:
         """Every counter back to zero, in place (the scheduler's parts share this object)."""
@@ -74,6 +77,7 @@ def _stats(sched, alloc, used: int) -> dict[str, Any]:
         "kv_total_tokens": alloc.num_pages * alloc.page_size,
         "kv_free_pages": alloc.num_free,
         "kv_total_pages": alloc.num_pages,
+        "process_cpu_s": time.process_time(),  # the scheduler's process (CPU seconds)
         # every SchedulerStats counter, by its field name (vars: no per-step deep copy)
         **vars(sched.stats),
     }

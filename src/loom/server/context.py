@@ -11,6 +11,7 @@ from fastapi import Request
 from loom.server.body import read_json_body
 from loom.server.errors import APIError, bad, value_error
 from loom.server.protocol import ParsedRequest
+from loom.server.streaming import EventEncoder
 
 if TYPE_CHECKING:
     from loom.engine.engine import Engine
@@ -23,6 +24,7 @@ class ServerContext:
         self.model_name = self.args.served_model_name or self.args.model
         self.body_limit = int(self.args.max_request_body_mb * 2**20)
         self.metrics = None
+        self.sse = EventEncoder(engine.profile)
 
     async def body(self, request: Request) -> Any:
         return await read_json_body(request, self.body_limit)

@@ -12,13 +12,15 @@ from loom.server.context import ServerContext
 from loom.server.errors import APIError, bad, value_error
 from loom.server.protocol import output_error
 from loom.server.schemas import GenerateBody, fields_of, openapi
-from loom.server.streaming import chained, collect, first_of, sse, stream_response
+from loom.server.streaming import chained, collect, first_of, stream_response
 
 
 def router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
+    sse = ctx.sse
     engine, args, model_name, metrics = ctx.engine, ctx.args, ctx.model_name, ctx.metrics
     body_of, admit, adapters = ctx.body, ctx.admit, ctx.adapters
+    incremental = args.incremental_streaming_output
 
     @router.post("/generate", openapi_extra=openapi(GenerateBody))
     async def generate(request: Request):
@@ -36,6 +38,8 @@ def router(ctx: ServerContext) -> APIRouter:
             items = [(None, ids) for ids in (input_ids if batch else [input_ids])]
         if not items:
             raise bad("the batch is empty", "text" if text is not None else "input_ids")
+        if body.get("return_routed_experts") not in (None, False):
+            raise bad("return_routed_experts is not supported", "return_routed_experts")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad("stream must be a boolean", "stream")
@@ -94,13 +98,20 @@ def router(ctx: ServerContext) -> APIRouter:
         async def events():
             acc = [{"text": "", "output_ids": []} for _ in streams]
             async for i, inc in chained(first, rest):
-                acc[i]["text"] += inc["text"]
-                acc[i]["output_ids"] += inc["output_ids"]
-                out = {
-                    "text": acc[i]["text"],
-                    "output_ids": list(acc[i]["output_ids"]),
-                    "meta_info": inc["meta_info"],
-                }
+                if incremental:  # only what is new (--incremental-streaming-output)
+                    out = {
+                        "text": inc["text"],
+                        "output_ids": inc["output_ids"],
+                        "meta_info": inc["meta_info"],
+                    }
+                else:  # SGLang's default: everything so far, in every chunk
+                    acc[i]["text"] += inc["text"]
+                    acc[i]["output_ids"] += inc["output_ids"]
+                    out = {
+                        "text": acc[i]["text"],
+                        "output_ids": list(acc[i]["output_ids"]),
+                        "meta_info": inc["meta_info"],
+                    }
                 if batch:
                     out["index"] = i
                 yield sse(out)

@@ -17,7 +17,7 @@ from loom.server.protocol import (
     parse_completion,
 )
 from loom.server.schemas import ChatCompletionRequest, CompletionRequest, openapi
-from loom.server.streaming import chained, collect, first_of, sse, stream_response
+from loom.server.streaming import chained, collect, first_of, stream_response
 
 
 def _decode(engine, ids: list[int]) -> str:
@@ -81,6 +81,7 @@ def usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 def router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
+    sse = ctx.sse
     engine, args, model_name = ctx.engine, ctx.args, ctx.model_name
     body_of, check_model, admit, start = ctx.body, ctx.check_model, ctx.admit, ctx.start
     adapters = ctx.adapters

@@ -90,6 +90,10 @@ class GenerateBody(_Body):
     return_logprob: Any = _field("Return the sampled tokens' logprobs.")
     top_logprobs_num: Any = _field("The top logprobs per token.")
     logprob_start_len: Any = _field("Prompt logprobs from this position (-1: none).")
+    return_routed_experts: Any = _field(
+        "SGLang's per-token expert routing of mixture-of-experts models: false only (Loom "
+        "does not return it)."
+    )
 
 
 def fields_of(schema: type[_Body], body: Any) -> dict[str, Any]:

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# `loom serve` against `loom bench offline` on the same workload, in one call: 512 requests of
+# 256 random input and 256 output tokens (seed 0, ignore_eos), bf16, dummy weights, SmolLM2's
+# tokenizer, the client on the same machine.
+#
+#   bash bench/gpu/serving.sh OUTDIR SECTION SHAPE
+#
+# SHAPE: smol (SmolLM2-135M) or 8b (Llama-3-8B's body with SmolLM2's vocabulary).
+# Needs: a CUDA GPU; .whlsrv/ with the server's wheels (fastapi, starlette, pydantic and
+# pydantic-core, annotated-types, annotated-doc, typing-inspection, typing-extensions, uvicorn,
+# click, httptools, orjson, pyzmq, opentelemetry-api, gguf) and, for the sglang section,
+# sglang's wheel (installed --no-deps) and pybase64; .tok/ (the SmolLM2 tokenizer); for the base
+# section, bench_base/src (bench/gpu/ab.sh explains). Sections:
+#   compare SHAPE   offline, then one server (--incremental-streaming-output): /generate from 4
+#                   workers with --scaling-check (8), /v1/completions and /v1/chat/completions
+#                   from 4, /generate from 1 worker, and a Poisson run at 80% of the offline
+#                   request rate
+#   base SHAPE      /generate from 4 workers against the server of bench_base/src
+#   sglang SHAPE    SGLang's bench_serving (bench/sglang_bench_serving.py) against loom serve:
+#                   its sglang (/generate) and sglang-oai (/v1/completions) backends
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
+
+shape=${3:?usage: bash $0 OUTDIR SECTION SHAPE}
+case $shape in
+smol) model=$SM ;;
+8b) model=$L8SMOLVOCAB ;;
+*) echo "unknown shape: $shape" >&2; exit 2 ;;
+esac
+if [ -d .whlsrv ] && [ ! -d /tmp/sitesrv/fastapi ]; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sitesrv \
+    .whlsrv/*.whl 2>&1 | tail -2 | tee -a "$log"
+fi
+export PYTHONPATH="$PYTHONPATH:/tmp/sitesrv" HF_HUB_OFFLINE=1
+work=(--num-prompts 512 --random-input-len 256 --random-output-len 256 --random-range-ratio 1.0)
+port=30123
+url=http://127.0.0.1:$port
+
+serve() {  # SRC_DIR, then `loom serve` flags; waits until /health answers
+  local src=$1; shift
+  PYTHONPATH="$src:${PYTHONPATH#*:}" $py -m loom.cli serve --model $model --load-format dummy \
+    --tokenizer-path .tok --dtype bfloat16 --port $port "$@" >"$out/server-$shape.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 300); do
+    curl -sf $url/health >/dev/null && return 0
+    kill -0 $server_pid 2>/dev/null || { tail -20 "$out/server-$shape.log"; return 1; }
+    sleep 1
+  done
+  return 1
+}
+stop() {
+  kill -TERM $server_pid 2>/dev/null
+  wait $server_pid 2>/dev/null
+}
+client() {  # TAG, then `loom bench serving` flags
+  echo "== $shape $1" | tee -a "$log"; shift
+  $py -m loom.cli bench serving --base-url $url "${work[@]}" --result-file "$out/results.jsonl" \
+    "$@" 2>&1 | tee -a "$log"
+}
+
+case $section in
+compare)
+  echo "== $shape offline" | tee -a "$log"
+  $py -m loom.cli bench offline --model $model --load-format dummy --tokenizer-path .tok \
+    --dtype bfloat16 --num-prompts 512 --input-len 256 --output-len 256 --random-range-ratio 1.0 \
+    --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
+  rate=$($py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]['loom']; print(round(0.8 * r['output_tokens_per_s'] / 256, 1))" "$out/results.jsonl")
+  serve src --incremental-streaming-output || exit 1
+  client "generate x4" --num-workers 4 --scaling-check
+  client "completions x4" --backend completions --num-workers 4
+  client "chat x4" --backend chat --num-workers 4
+  client "generate x1" --num-workers 1
+  client "generate x4 rate $rate" --num-workers 4 --request-rate "$rate"
+  stop
+  ;;
+base)
+  serve bench_base/src || exit 1
+  client "base generate x4" --num-workers 4
+  stop
+  ;;
+sglang)
+  serve src || exit 1
+  for b in sglang sglang-oai; do
+    echo "== $shape sglang.bench_serving $b" | tee -a "$log"
+    ids=$([ $b = sglang ] && echo --tokenize-prompt)  # token ids, as loom bench serving sends
+    $py bench/sglang_bench_serving.py --backend $b --host 127.0.0.1 --port $port --model .tok \
+      --tokenizer .tok --served-model-name "$model" --dataset-name random-ids $ids \
+      --random-input-len 256 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 512 \
+      --request-rate inf 2>&1 | grep -v "it/s]" | tail -34 | tee -a "$log"
+  done
+  stop
+  ;;
+*)
+  unknown_section
+  ;;
+esac
