@@ -85,7 +85,7 @@ sglang)
     $py bench/sglang_bench_serving.py --backend $b --host 127.0.0.1 --port $port --model .tok \
       --tokenizer .tok --served-model-name "$model" --dataset-name random-ids $ids \
       --random-input-len 256 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 512 \
-      --request-rate inf 2>&1 | grep -v "it/s]" | tail -34 | tee -a "$log"
+      --request-rate inf --output-file "$out/sglang-$shape-$b.jsonl" 2>&1 | grep -v "it/s]" | tail -34 | tee -a "$log"
   done
   stop
   ;;
