@@ -13,7 +13,8 @@
 # section, bench_base/src (bench/gpu/ab.sh explains). Sections:
 #   compare SHAPE   offline, then one server (--incremental-streaming-output): /generate from 4
 #                   workers with --scaling-check (8), /v1/completions and /v1/chat/completions
-#                   from 4, /generate from 1 worker, and a Poisson run at 80% of the offline
+#                   from 4, /generate from 1 worker; then a server with --enable-mixed-chunk
+#                   --chunked-prefill-size 512 under Poisson arrivals at 80% of the offline
 #                   request rate
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
 #   sglang SHAPE    SGLang's bench_serving (bench/sglang_bench_serving.py) against loom serve:
@@ -69,7 +70,10 @@ compare)
   client "completions x4" --backend completions --num-workers 4
   client "chat x4" --backend chat --num-workers 4
   client "generate x1" --num-workers 1
-  client "generate x4 rate $rate" --num-workers 4 --request-rate "$rate"
+  stop
+  # latency at 80% of the offline request rate: prefill chunks share steps with decoding
+  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
+  client "generate x4 rate $rate mixed-chunk 512" --num-workers 4 --request-rate "$rate"
   stop
   ;;
 base)

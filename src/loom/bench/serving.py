@@ -62,6 +62,13 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "report what that changed",
     )
     p.add_argument(
+        "--flush-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="empty the server's prefix cache before each run, so an earlier run's prompts are "
+        "not served from it",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer for the chat backend's prompt texts (default: the server's)",
@@ -193,17 +200,33 @@ def server_profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[
     return out
 
 
-def _engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """The engine's own figures over the run, from the scheduler's counters in server info."""
-    out: dict[str, float] = {}
-    steps = after.get("num_decode_batches", 0) - before.get("num_decode_batches", 0)
-    if steps > 0:
-        out["decode_steps"] = steps
-        out["decode_step_ms"] = 1000 * (after["time_decode_s"] - before["time_decode_s"]) / steps
-        out["mean_decode_batch"] = (
-            after["num_decode_tokens"] - before["num_decode_tokens"]
-        ) / steps
-    return out
+def _flush(client) -> None:
+    """Empty the server's prefix cache (it flushes once no request is running)."""
+    client.post("/flush_cache")
+    for _ in range(100):
+        info = client.get("/server_info").json()
+        if info.get("kv_cached_pages", 0) == 0 and info.get("num_running_reqs", 0) == 0:
+            return
+        time.sleep(0.1)
+        client.post("/flush_cache")
+
+
+def _engine_delta(before: dict[str, Any], after: dict[str, Any], elapsed: float) -> dict:
+    """The engine's own figures over the run, from the scheduler's counters in server info:
+    its steps, and the mean time a step took (the time between two tokens of a request that
+    every step decodes)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+    steps = d.get("num_decode_batches", 0) + d.get("num_prefill_batches", 0)
+    if not steps:
+        return {}
+    busy = d.get("time_decode_s", 0) + d.get("time_prefill_s", 0)
+    return {
+        "decode_steps": d["num_decode_batches"],
+        "prefill_steps": d["num_prefill_batches"],
+        "mean_decode_batch": d["num_decode_tokens"] / max(1, d["num_decode_batches"]),
+        "step_ms": 1000 * busy / steps,
+        "busy": busy / elapsed if elapsed else float("nan"),  # of the run's wall time
+    }
 
 
 def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
@@ -240,10 +263,11 @@ def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
     eng = summary.get("engine")
     if eng:
         print(
-            f"{'engine decode step':<28}{eng['decode_step_ms']:.2f} ms mean over "
-            f"{eng['decode_steps']} steps (mean batch {eng['mean_decode_batch']:.1f}); "
-            f"ITL p99 = {summary['itl_p99_ms'] / eng['decode_step_ms']:.1f} steps"
+            f"{'engine steps':<28}{eng['decode_steps']} decode (mean batch "
+            f"{eng['mean_decode_batch']:.1f}) + {eng['prefill_steps']} prefill, "
+            f"{eng['step_ms']:.2f} ms a step, busy {eng['busy']:.0%} of the run"
         )
+        print(f"{'ITL p99 / engine step':<28}{summary['itl_p99_ms'] / eng['step_ms']:.1f}")
     prof = summary.get("server")
     if prof:
         cpu = ", ".join(
@@ -292,14 +316,13 @@ def run_serving(ns: argparse.Namespace) -> int:
     failed = False
     first = None
     for k, workers in enumerate(runs):
-        if k:
-            client.post("/flush_cache")  # the same prompts again: no prefix-cache hits
-            time.sleep(1.0)
+        if ns.flush_cache:
+            _flush(client)
         before = client.get("/server_info").json()
         results, outs, elapsed = _run_once(ns, info, items, workers)
         after = client.get("/server_info").json()
         summary = {**base, "num_workers": workers, **_summarize(results, outs, elapsed)}
-        summary["engine"] = _engine_delta(before, after)
+        summary["engine"] = _engine_delta(before, after, elapsed)
         if before.get("profile") and after.get("profile"):
             summary["server"] = server_profile_delta(before["profile"], after["profile"])
         _report(ns, info, summary, workers)

@@ -93,7 +93,7 @@ class Engine:
                 )
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path, tokenizer)
         self.router = OutputRouter()
-        self.profile = FrontendProfile()
+        self.profile = self.router.profile = FrontendProfile()
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
         self.load: dict[str, Any] = {}  # the scheduler's latest load figures
@@ -108,6 +108,8 @@ class Engine:
         self.info = self.backend.info
         if tokenizer is not None:
             self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
+            if self.backend.separate_process:
+                self.router.detokenize_with = tokenizer
         self.constraints = ConstraintChecker(
             args.grammar_args, self.tokenizer, self.vocab_size, self.eos_token_ids
         )

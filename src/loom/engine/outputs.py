@@ -31,7 +31,9 @@ class ReqState:
     first_token_time: float | None = None  # stamped on the backend's thread
     last_token_time: float | None = None
     finish_time: float | None = None
-    emitted: int = 0  # characters of the detokenized text already handed to the caller
+    text: str = ""  # the detokenised text so far (cut at a stop string)
+    emitted: int = 0  # characters of ``text`` already handed to the caller
+    detok_error: str | None = None  # detokenising on receipt failed (the request fails)
     logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
     # the queue is a batch's (``wait_all``): a step's outputs for it arrive as one list
     shared: bool = False
@@ -53,23 +55,29 @@ def apply_output(
     finished = out.finished_reason
     delta = ""
     if st.detok is not None:
-        t = time.perf_counter()
-        added = st.detok.add(new_ids, final=finished is not None)
-        if profile is not None:
-            profile.detokenize_s += time.perf_counter() - t
-            profile.detokenized_tokens += len(new_ids)
+        if st.detok_error is not None:
+            raise RuntimeError(st.detok_error)
+        if out.text is not None:  # detokenised on receipt
+            added = out.text
+        else:
+            t = time.perf_counter()
+            added = st.detok.add(new_ids, final=finished is not None)
+            if profile is not None:
+                profile.detokenize_s += time.perf_counter() - t
+                profile.detokenized_tokens += len(new_ids)
+        st.text += added
         hit = _find_stop(st, len(added)) if added and st.params.stop else None
         if hit is not None:
             stop, cut = hit
             if st.params.no_stop_trim:
                 cut += len(stop)
-            st.detok.text = st.detok.text[:cut]
+            st.text = st.text[:cut]
             if finished is None or finished.get("type") != "stop":
                 finished = {"type": "stop", "matched": stop}
             if out.finished_reason is None:
                 abort(st.rid)
         # Stream only text that cannot turn out to be the start of a stop string.
-        text = st.detok.text
+        text = st.text
         end = len(text) if finished is not None else len(text) - _partial_stop(text, st.params.stop)
         delta, st.emitted = text[st.emitted : end], max(st.emitted, end)
     if finished is not None:
@@ -127,7 +135,7 @@ def _with_text(tokenizer: Any, key: str, entries: list) -> list:
 def _find_stop(st: ReqState, new_chars: int) -> tuple[str, int] | None:
     """The earliest stop string that the newest ``new_chars`` characters completed (only
     the text's tail is searched, so a long output costs no quadratic rescans)."""
-    text = st.detok.text
+    text = st.text
     best = None
     for s in st.params.stop:
         i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
@@ -138,7 +146,7 @@ def _find_stop(st: ReqState, new_chars: int) -> tuple[str, int] | None:
 
 def final_result(st: ReqState, last: dict[str, Any]) -> dict[str, Any]:
     """The whole result of a finished request, from its state and its last increment."""
-    text = st.detok.text if st.detok is not None else ""
+    text = st.text
     meta = dict(last["meta_info"])
     if st.logprobs is not None:
         meta.update({k: list(v) for k, v in st.logprobs.items()})
