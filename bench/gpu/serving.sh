@@ -16,6 +16,8 @@
 #                   from 4, /generate from 1 worker; then a server with --enable-mixed-chunk
 #                   --chunked-prefill-size 512 under Poisson arrivals at 80% of the offline
 #                   request rate
+#   targets SHAPE   the targets alone: offline, /generate and /v1/completions from 4
+#                   workers, and the Poisson run on the mixed-chunk server
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
 #   sglang SHAPE    SGLang's bench_serving (bench/sglang_bench_serving.py) against loom serve:
 #                   its sglang (/generate) and sglang-oai (/v1/completions) backends
@@ -58,23 +60,37 @@ client() {  # TAG, then `loom bench serving` flags
     "$@" 2>&1 | tee -a "$log"
 }
 
-case $section in
-compare)
+offline_rate() {  # the offline run, then the request rate that keeps the engine ~80% busy
   echo "== $shape offline" | tee -a "$log"
   $py -m loom.cli bench offline --model $model --load-format dummy --tokenizer-path .tok \
     --dtype bfloat16 --num-prompts 512 --input-len 256 --output-len 256 --random-range-ratio 1.0 \
     --result-file "$out/results.jsonl" 2>&1 | grep -v "^Loading" | tail -3 | tee -a "$log"
   rate=$($py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]['loom']; print(round(0.8 * r['output_tokens_per_s'] / 256, 1))" "$out/results.jsonl")
+}
+rate_run() {  # latency at $rate: prefill chunks share steps with decoding
+  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
+  client "generate x4 rate $rate mixed-chunk 512" --num-workers 4 --request-rate "$rate"
+  stop
+}
+
+case $section in
+compare)
+  offline_rate
   serve src --incremental-streaming-output || exit 1
   client "generate x4" --num-workers 4 --scaling-check
   client "completions x4" --backend completions --num-workers 4
   client "chat x4" --backend chat --num-workers 4
   client "generate x1" --num-workers 1
   stop
-  # latency at 80% of the offline request rate: prefill chunks share steps with decoding
-  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
-  client "generate x4 rate $rate mixed-chunk 512" --num-workers 4 --request-rate "$rate"
+  rate_run
+  ;;
+targets)
+  offline_rate
+  serve src --incremental-streaming-output || exit 1
+  client "generate x4" --num-workers 4
+  client "completions x4" --backend completions --num-workers 4
   stop
+  rate_run
   ;;
 base)
   serve bench_base/src || exit 1

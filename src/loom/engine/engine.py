@@ -21,7 +21,7 @@ from typing import Any
 from loom import plugins
 from loom.config import ServerArgs
 from loom.engine.fan_out import fan_out
-from loom.engine.outputs import ReqState, apply_output, final_result, merge_increments, wait_all
+from loom.engine.outputs import ReqState, apply_output, final_result, merge_outputs, wait_all
 from loom.engine.profile import FrontendProfile
 from loom.engine.router import OutputRouter
 from loom.engine.streams import AsyncStream, SyncStream, drain
@@ -93,7 +93,7 @@ class Engine:
                 )
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path, tokenizer)
         self.router = OutputRouter()
-        self.profile = self.router.profile = FrontendProfile()
+        self.profile = FrontendProfile()
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
         self.load: dict[str, Any] = {}  # the scheduler's latest load figures
@@ -108,8 +108,6 @@ class Engine:
         self.info = self.backend.info
         if tokenizer is not None:
             self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
-            if self.backend.separate_process:
-                self.router.detokenize_with = tokenizer
         self.constraints = ConstraintChecker(
             args.grammar_args, self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -155,7 +153,7 @@ class Engine:
 
     @property
     def metrics(self):
-        """The HTTP server's metrics (``observe_output`` / ``observe_load``), or None."""
+        """The HTTP server's metrics (``observe_outputs`` / ``observe_load``), or None."""
         return self.router.metrics
 
     @metrics.setter
@@ -318,14 +316,9 @@ class Engine:
     # ---- collecting outputs ---------------------------------------------------------------
 
     def _consume(self, st: ReqState, outs: list[ReqOutput]) -> dict[str, Any]:
-        """Apply a request's pending outputs (in order, up to the one that finishes it) to its
-        state; returns them as one increment, an SGLang dict."""
-        incs = []
-        for out in outs:
-            incs.append(self._consume_one(st, out))
-            if st.finished:
-                break
-        return merge_increments(incs)
+        """Apply a request's pending outputs to its state as one (``merge_outputs``: a caller
+        that fell behind detokenises once for all of them); returns the increment."""
+        return self._consume_one(st, merge_outputs(outs))
 
     def _consume_one(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
         """Apply one output to the request's state. A failure here (detokenising, a

@@ -33,7 +33,6 @@ class ReqState:
     finish_time: float | None = None
     text: str = ""  # the detokenised text so far (cut at a stop string)
     emitted: int = 0  # characters of ``text`` already handed to the caller
-    detok_error: str | None = None  # detokenising on receipt failed (the request fails)
     logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
     # the queue is a batch's (``wait_all``): a step's outputs for it arrive as one list
     shared: bool = False
@@ -55,16 +54,11 @@ def apply_output(
     finished = out.finished_reason
     delta = ""
     if st.detok is not None:
-        if st.detok_error is not None:
-            raise RuntimeError(st.detok_error)
-        if out.text is not None:  # detokenised on receipt
-            added = out.text
-        else:
-            t = time.perf_counter()
-            added = st.detok.add(new_ids, final=finished is not None)
-            if profile is not None:
-                profile.detokenize_s += time.perf_counter() - t
-                profile.detokenized_tokens += len(new_ids)
+        t = time.perf_counter()
+        added = st.detok.add(new_ids, final=finished is not None)
+        if profile is not None:
+            profile.detokenize_s += time.perf_counter() - t
+            profile.detokenized_tokens += len(new_ids)
         st.text += added
         hit = _find_stop(st, len(added)) if added and st.params.stop else None
         if hit is not None:
@@ -103,21 +97,26 @@ def apply_output(
     return {"text": delta, "output_ids": new_ids, "meta_info": meta}
 
 
-def merge_increments(incs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Consecutive increments of one request as one (a stream that fell behind sends its
-    pending tokens in one event): texts and ids concatenated, the newest ``meta_info`` with the
-    per-increment logprob lists concatenated."""
-    if len(incs) == 1:
-        return incs[0]
-    meta = dict(incs[-1]["meta_info"])
-    for key in ("output_token_logprobs", "output_top_logprobs"):
-        if key in meta:
-            meta[key] = [e for inc in incs for e in inc["meta_info"].get(key, ())]
-    return {
-        "text": "".join(inc["text"] for inc in incs),
-        "output_ids": [i for inc in incs for i in inc["output_ids"]],
-        "meta_info": meta,
-    }
+def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
+    """Consecutive outputs of one request as one: the ids and the logprob lists concatenated,
+    the rest from the newest (only the last can have finished the request)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    extra: dict[str, list] = {}
+    for out in outs:
+        for key, entries in out.extra.items():
+            extra.setdefault(key, []).extend(entries)
+    return ReqOutput(
+        last.rid,
+        [i for out in outs for i in out.new_token_ids],
+        last.prompt_tokens,
+        last.completion_tokens,
+        last.cached_tokens,
+        last.finished_reason,
+        last.error,
+        extra,
+    )
 
 
 def _with_text(tokenizer: Any, key: str, entries: list) -> list:

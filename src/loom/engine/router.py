@@ -17,8 +17,6 @@ import uuid
 from collections.abc import Callable
 
 from loom.engine.outputs import ReqState
-from loom.engine.profile import FrontendProfile
-from loom.engine.tokenizer_manager import detokenize_batch
 from loom.scheduler.messages import ReqOutput, SchedulerBatchOut
 
 
@@ -27,12 +25,7 @@ class OutputRouter:
         self.states: dict[str, ReqState] = {}
         self.control: dict[str, queue.Queue] = {}  # replies to control messages, by id
         self.lock = threading.Lock()
-        self.metrics = None  # set by the HTTP server: observe_output / observe_load
-        # Set (a tokenizer) where ``on_batch`` runs on a thread of its own (a scheduler
-        # process's receiver): outputs are then detokenised there, all of a step's in one call,
-        # before they are routed. Unset, each caller detokenises its request's outputs.
-        self.detokenize_with = None
-        self.profile: FrontendProfile | None = None
+        self.metrics = None  # set by the HTTP server: observe_outputs / observe_load
 
     def register(self, st: ReqState) -> None:
         with self.lock:
@@ -80,8 +73,8 @@ class OutputRouter:
             found = [
                 (out, self.states.get(out.rid), self.control.get(out.rid)) for out in batch.outputs
             ]
-        if self.detokenize_with is not None:
-            self._detokenize(found)
+        if metrics is not None:  # (before the times below are stamped)
+            metrics.observe_outputs([(st, out) for out, st, _ in found if st is not None], now)
         # One hand-over per waiting queue or event loop a step, not one per request: a batch's
         # shared queue gets the step's outputs as one list, and each event loop one callback
         # that fills its requests' queues (each call_soon_threadsafe wakes the loop and takes
@@ -94,8 +87,6 @@ class OutputRouter:
                 continue
             if st is None:
                 continue
-            if metrics is not None:
-                metrics.observe_output(st, out, now)
             # Stamp times here: the caller may read outputs late.
             if out.new_token_ids:
                 if st.first_token_time is None:
@@ -115,26 +106,6 @@ class OutputRouter:
             _call_soon(loop, _deliver, items)
         if metrics is not None:
             metrics.observe_load(batch.stats)
-
-    def _detokenize(self, found: list) -> None:
-        t = time.perf_counter()
-        outs, items = [], []
-        for out, st, _ in found:
-            detok = st.detok if st is not None else None
-            if detok is not None and st.detok_error is None:
-                outs.append((out, st))
-                items.append((detok, out.new_token_ids, out.finished_reason is not None))
-        if not items:
-            return
-        deltas = detokenize_batch(self.detokenize_with, items)
-        for (out, st), delta in zip(outs, deltas, strict=True):
-            if isinstance(delta, Exception):
-                st.detok_error = f"detokenising failed: {type(delta).__name__}: {delta}"
-            else:
-                out.text = delta
-        if self.profile is not None:
-            self.profile.detokenize_s += time.perf_counter() - t
-            self.profile.detokenized_tokens += sum(len(ids) for _, ids, _ in items)
 
     def end_all(self, message: str, status: int, abort: Callable[[str], None]) -> int:
         """End every request in flight with an error (``status``: the HTTP status its client

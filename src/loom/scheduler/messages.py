@@ -78,8 +78,6 @@ class ReqOutput:
     finished_reason: dict[str, Any] | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # the new text, when the front end detokenised it on receipt (None: not yet)
-    text: str | None = None
 
 
 @dataclass

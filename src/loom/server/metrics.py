@@ -63,27 +63,31 @@ class Metrics:
             self.hicache_host_hits.set(stats["hicache_host_hit_tokens"])
             self.hicache_storage_hits.set(stats["hicache_storage_hit_tokens"])
 
-    def observe_output(self, state: Any, out: Any, now: float) -> None:
-        """``state`` is the engine's per-request state, before this output is applied."""
-        n = len(out.new_token_ids)
-        if n:
-            self.generation_tokens.inc(n)
-            if state.last_token_time is None:
-                self.ttft.observe(now - state.start)
-            else:
-                gap = (now - state.last_token_time) / n
-                for _ in range(n):
-                    self.itl.observe(gap)
-        if out.finished_reason is not None:
-            self.requests.inc()
-            if out.finished_reason.get("type") == "abort":
-                self.aborted.inc()
-            self.e2e.observe(now - state.start)
-            self.prompt_tokens.inc(out.prompt_tokens)
-            self.cached_tokens.inc(out.cached_tokens)
-            self._prompt_total += out.prompt_tokens
-            self._cached_total += out.cached_tokens
-            self.cache_hit_rate.set(self._cached_total / max(1, self._prompt_total))
+    def observe_outputs(self, pairs: list[tuple[Any, Any]], now: float) -> None:
+        """A step's outputs, each with its request's state before the output is applied."""
+        generated = 0
+        for state, out in pairs:
+            n = len(out.new_token_ids)
+            if n:
+                generated += n
+                if state.last_token_time is None:
+                    self.ttft.observe(now - state.start)
+                else:
+                    gap = (now - state.last_token_time) / n
+                    for _ in range(n):
+                        self.itl.observe(gap)
+            if out.finished_reason is not None:
+                self.requests.inc()
+                if out.finished_reason.get("type") == "abort":
+                    self.aborted.inc()
+                self.e2e.observe(now - state.start)
+                self.prompt_tokens.inc(out.prompt_tokens)
+                self.cached_tokens.inc(out.cached_tokens)
+                self._prompt_total += out.prompt_tokens
+                self._cached_total += out.cached_tokens
+                self.cache_hit_rate.set(self._cached_total / max(1, self._prompt_total))
+        if generated:
+            self.generation_tokens.inc(generated)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
