@@ -18,6 +18,7 @@
 #                   request rate
 #   targets SHAPE   the targets alone: offline, /generate and /v1/completions from 4
 #                   workers, and the Poisson run on the mixed-chunk server
+#   rate SHAPE RATE [FLAGS]  the Poisson run alone at RATE, FLAGS to the client
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
 #   sglang SHAPE    SGLang's bench_serving (bench/sglang_bench_serving.py) against loom serve:
 #                   its sglang (/generate) and sglang-oai (/v1/completions) backends
@@ -91,6 +92,12 @@ targets)
   client "completions x4" --backend completions --num-workers 4
   stop
   rate_run
+  ;;
+rate)  # SHAPE RATE [FLAGS]: rate_run at RATE requests per second, FLAGS passed to the client
+  rate=${4:?usage: bash $0 OUTDIR rate SHAPE RATE [FLAGS]}
+  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
+  client "generate x4 rate $rate mixed-chunk 512 ${*:5}" --num-workers 4 --request-rate "$rate" "${@:5}"
+  stop
   ;;
 base)
   serve bench_base/src || exit 1

@@ -200,6 +200,15 @@ def server_profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[
     return out
 
 
+def _server_info(client) -> dict[str, Any]:
+    import httpx
+
+    try:
+        return client.get("/server_info").json()
+    except httpx.HTTPError:
+        return {}
+
+
 def _flush(client) -> None:
     """Empty the server's prefix cache (it flushes once no request is running)."""
     client.post("/flush_cache")
@@ -219,14 +228,18 @@ def _engine_delta(before: dict[str, Any], after: dict[str, Any], elapsed: float)
     steps = d.get("num_decode_batches", 0) + d.get("num_prefill_batches", 0)
     if not steps:
         return {}
-    busy = d.get("time_decode_s", 0) + d.get("time_prefill_s", 0)
-    return {
+    stepping = d.get("time_decode_s", 0) + d.get("time_prefill_s", 0)
+    out = {
         "decode_steps": d["num_decode_batches"],
         "prefill_steps": d["num_prefill_batches"],
         "mean_decode_batch": d["num_decode_tokens"] / max(1, d["num_decode_batches"]),
-        "step_ms": 1000 * busy / steps,
-        "busy": busy / elapsed if elapsed else float("nan"),  # of the run's wall time
+        "step_ms": 1000 * stepping / steps,
+        # the share of the run the scheduler spent in steps (it steps while any request runs)
+        "stepping": stepping / elapsed if elapsed else float("nan"),
     }
+    if d.get("time_device_decode_s") and elapsed:  # CUDA: the device's time in decode steps
+        out["device_decode_busy"] = d["time_device_decode_s"] / elapsed
+    return out
 
 
 def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
@@ -265,7 +278,12 @@ def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
         print(
             f"{'engine steps':<28}{eng['decode_steps']} decode (mean batch "
             f"{eng['mean_decode_batch']:.1f}) + {eng['prefill_steps']} prefill, "
-            f"{eng['step_ms']:.2f} ms a step, busy {eng['busy']:.0%} of the run"
+            f"{eng['step_ms']:.2f} ms a step, stepping {eng['stepping']:.0%} of the run"
+            + (
+                f", the device busy with decode steps {eng['device_decode_busy']:.0%}"
+                if "device_decode_busy" in eng
+                else ""
+            )
         )
         print(f"{'ITL p99 / engine step':<28}{summary['itl_p99_ms'] / eng['step_ms']:.1f}")
     prof = summary.get("server")
@@ -318,11 +336,11 @@ def run_serving(ns: argparse.Namespace) -> int:
     for k, workers in enumerate(runs):
         if ns.flush_cache:
             _flush(client)
-        before = client.get("/server_info").json()
+        before = _server_info(client)
         results, outs, elapsed = _run_once(ns, info, items, workers)
-        after = client.get("/server_info").json()
+        after = _server_info(client)  # ({} if the server is gone: a shutdown under load)
         summary = {**base, "num_workers": workers, **_summarize(results, outs, elapsed)}
-        summary["engine"] = _engine_delta(before, after, elapsed)
+        summary["engine"] = _engine_delta(before, after, elapsed) if after else {}
         if before.get("profile") and after.get("profile"):
             summary["server"] = server_profile_delta(before["profile"], after["profile"])
         _report(ns, info, summary, workers)

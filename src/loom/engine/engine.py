@@ -21,7 +21,7 @@ from typing import Any
 from loom import plugins
 from loom.config import ServerArgs
 from loom.engine.fan_out import fan_out
-from loom.engine.outputs import ReqState, apply_output, final_result, merge_outputs, wait_all
+from loom.engine.outputs import OutputConsumer, ReqState, final_result, wait_all
 from loom.engine.profile import FrontendProfile
 from loom.engine.router import OutputRouter
 from loom.engine.streams import AsyncStream, SyncStream, drain
@@ -43,13 +43,9 @@ from loom.scheduler.messages import (
     FlushCache,
     GenerateRequest,
     LoadLoRA,
-    ReqOutput,
     SchedulerBatchOut,
     UnloadLoRA,
 )
-
-logger = logging.getLogger(__name__)
-
 
 class Engine:
     """A Loom engine: the front end (tokenizer, detokenizer, stop strings) plus a scheduler loop.
@@ -108,6 +104,10 @@ class Engine:
         self.info = self.backend.info
         if tokenizer is not None:
             self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
+        # applies outputs to their requests on the caller's side (``outputs.OutputConsumer``)
+        self._consume = OutputConsumer(
+            self.tokenizer, self.abort_request, self.router.forget, self.profile
+        )
         self.constraints = ConstraintChecker(
             args.grammar_args, self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -315,43 +315,6 @@ class Engine:
 
     # ---- collecting outputs ---------------------------------------------------------------
 
-    def _consume(self, st: ReqState, outs: list[ReqOutput]) -> dict[str, Any]:
-        """Apply a request's pending outputs to its state as one (``merge_outputs``: a caller
-        that fell behind detokenises once for all of them); returns the increment."""
-        return self._consume_one(st, merge_outputs(outs))
-
-    def _consume_one(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
-        """Apply one output to the request's state. A failure here (detokenising, a
-        stop-string check) fails this request alone: it is aborted in the scheduler and its
-        increment carries the error."""
-        t = time.perf_counter()
-        try:
-            return self._apply_output(st, out)
-        except Exception as e:  # noqa: BLE001 - isolated to this request
-            logger.exception("request %s failed in the front end", st.rid)
-            message = f"the front end failed on this request: {type(e).__name__}: {e}"
-            failed = ReqOutput(
-                st.rid,
-                [],
-                st.prompt_tokens,
-                len(st.output_ids),
-                finished_reason={"type": "abort", "message": message, "status_code": 500},
-                error=message,
-            )
-            if out.finished_reason is None:
-                self.abort_request(st.rid)
-            st.detok = None  # (text so far is kept by the caller; no more decoding)
-            return self._apply_output(st, failed)
-        finally:
-            self.profile.outputs += 1
-            self.profile.apply_s += time.perf_counter() - t
-
-    def _apply_output(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
-        inc = apply_output(st, out, self.tokenizer, self.abort_request, self.profile)
-        if st.finished:
-            self.router.forget(st.rid)
-        return inc
-
     def _wait(self, st: ReqState) -> dict[str, Any]:
         while True:
             q = st.outputs
@@ -398,7 +361,7 @@ class Engine:
         if stream:
             raise ValueError("stream=True takes a single prompt with n=1")
         shared: queue.Queue = queue.Queue()
-        return wait_all(self._submit_all(rows, lp, shared=shared), shared, self._consume_one)
+        return wait_all(self._submit_all(rows, lp, shared=shared), shared, self._consume.one)
 
     # ---- LoRA adapters while serving ------------------------------------------------------
 

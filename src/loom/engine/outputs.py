@@ -5,6 +5,7 @@ result."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from loom.engine.profile import FrontendProfile
 from loom.engine.tokenizer_manager import IncrementalDetokenizer
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.messages import ReqOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,56 @@ def apply_output(
         for key, acc in st.logprobs.items():
             meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
     return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+
+
+class OutputConsumer:
+    """Applies a request's outputs to its state on the caller's side (``consumer(st, outs)``:
+    its pending outputs as one; ``consumer.one(st, out)``) and forgets a finished request."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        abort: Callable[[str], None],
+        forget: Callable[[str], None],
+        profile: FrontendProfile,
+    ) -> None:
+        self.tokenizer, self.abort, self.forget, self.profile = tokenizer, abort, forget, profile
+
+    def __call__(self, st: ReqState, outs: list[ReqOutput]) -> dict[str, Any]:
+        """A caller that fell behind detokenises once for all its pending outputs."""
+        return self.one(st, merge_outputs(outs))
+
+    def one(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
+        """Apply one output; returns the increment. A failure here (detokenising, a stop-string
+        check) fails this request alone: it is aborted in the scheduler and its increment
+        carries the error."""
+        t = time.perf_counter()
+        try:
+            return self._apply(st, out)
+        except Exception as e:  # noqa: BLE001 - isolated to this request
+            logger.exception("request %s failed in the front end", st.rid)
+            message = f"the front end failed on this request: {type(e).__name__}: {e}"
+            failed = ReqOutput(
+                st.rid,
+                [],
+                st.prompt_tokens,
+                len(st.output_ids),
+                finished_reason={"type": "abort", "message": message, "status_code": 500},
+                error=message,
+            )
+            if out.finished_reason is None:
+                self.abort(st.rid)
+            st.detok = None  # (the text so far is kept; no more decoding)
+            return self._apply(st, failed)
+        finally:
+            self.profile.outputs += 1
+            self.profile.apply_s += time.perf_counter() - t
+
+    def _apply(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
+        inc = apply_output(st, out, self.tokenizer, self.abort, self.profile)
+        if st.finished:
+            self.forget(st.rid)
+        return inc
 
 
 def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
