@@ -184,3 +184,27 @@ def test_stream_parser_openai_usage_and_errors():
     p = StreamParser("chat")
     p.feed(b'data: {"error": {"message": "boom", "type": "x"}}\n\ndata: [DONE]\n\n', 1.0)
     assert p.error == "error event: boom"
+
+
+def test_consumer_merges_pending_outputs_up_to_the_finishing_one():
+    """An engine failure's abort can queue behind a request's last output: it is not merged in."""
+    import queue
+
+    from loom.engine.outputs import OutputConsumer, ReqState
+    from loom.engine.profile import FrontendProfile
+    from loom.sampling.sampling_params import SamplingParams
+    from loom.scheduler.messages import ReqOutput
+
+    forgotten: list[str] = []
+    consume = OutputConsumer(None, lambda rid: None, forgotten.append, FrontendProfile())
+    st = ReqState("r", 3, SamplingParams(), queue.Queue())
+    lp = {"output_token_logprobs": [(-0.5, 5)]}
+    outs = [
+        ReqOutput("r", [5], 3, 1, extra=lp),
+        ReqOutput("r", [6], 3, 2, finished_reason={"type": "length", "length": 2}),
+        ReqOutput("r", [], 3, 2, finished_reason={"type": "abort", "message": "x"}, error="x"),
+    ]
+    inc = consume(st, outs)
+    assert inc["output_ids"] == [5, 6] and st.output_ids == [5, 6]
+    assert inc["meta_info"]["finish_reason"]["type"] == "length"
+    assert "error" not in inc["meta_info"] and forgotten == ["r"] and st.finished

@@ -47,6 +47,7 @@ from loom.scheduler.messages import (
     UnloadLoRA,
 )
 
+
 class Engine:
     """A Loom engine: the front end (tokenizer, detokenizer, stop strings) plus a scheduler loop.
 

@@ -114,7 +114,12 @@ class OutputConsumer:
         self.tokenizer, self.abort, self.forget, self.profile = tokenizer, abort, forget, profile
 
     def __call__(self, st: ReqState, outs: list[ReqOutput]) -> dict[str, Any]:
-        """A caller that fell behind detokenises once for all its pending outputs."""
+        """A caller that fell behind detokenises once for all its pending outputs, up to the
+        one that finishes the request (an engine failure's abort may queue after it)."""
+        for k, out in enumerate(outs):
+            if out.finished_reason is not None:
+                outs = outs[: k + 1]
+                break
         return self.one(st, merge_outputs(outs))
 
     def one(self, st: ReqState, out: ReqOutput) -> dict[str, Any]:
