@@ -98,13 +98,8 @@ def router(ctx: ServerContext) -> APIRouter:
         async def events():
             acc = [{"text": "", "output_ids": []} for _ in streams]
             async for i, inc in chained(first, rest):
-                if incremental:  # only what is new (--incremental-streaming-output)
-                    out = {
-                        "text": inc["text"],
-                        "output_ids": inc["output_ids"],
-                        "meta_info": inc["meta_info"],
-                    }
-                else:  # SGLang's default: everything so far, in every chunk
+                out = inc  # --incremental-streaming-output: only what is new
+                if not incremental:  # SGLang's default: everything so far, in every chunk
                     acc[i]["text"] += inc["text"]
                     acc[i]["output_ids"] += inc["output_ids"]
                     out = {
