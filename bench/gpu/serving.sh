@@ -19,6 +19,9 @@
 #   targets SHAPE   the targets alone: offline, /generate and /v1/completions from 4
 #                   workers, and the Poisson run on the mixed-chunk server
 #   rate SHAPE RATE [FLAGS]  the Poisson run alone at RATE, FLAGS to the client
+#   rates SHAPE "SERVER_FLAGS" N RATE...  one server started with SERVER_FLAGS (and
+#                   --incremental-streaming-output), then a Poisson run of N requests from 4
+#                   workers at each RATE in turn
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
 #   sglang SHAPE    SGLang's bench_serving (bench/sglang_bench_serving.py) against loom serve:
 #                   its sglang (/generate) and sglang-oai (/v1/completions) backends
@@ -97,6 +100,16 @@ rate)  # SHAPE RATE [FLAGS]: rate_run at RATE requests per second, FLAGS passed 
   rate=${4:?usage: bash $0 OUTDIR rate SHAPE RATE [FLAGS]}
   serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
   client "generate x4 rate $rate mixed-chunk 512 ${*:5}" --num-workers 4 --request-rate "$rate" "${@:5}"
+  stop
+  ;;
+rates)  # SHAPE "SERVER_FLAGS" N RATE...
+  flags=${4?usage: bash $0 OUTDIR rates SHAPE "SERVER_FLAGS" N RATE...}
+  n=${5:?usage: bash $0 OUTDIR rates SHAPE "SERVER_FLAGS" N RATE...}
+  # shellcheck disable=SC2086  # the flags are words
+  serve src --incremental-streaming-output $flags || exit 1
+  for r in "${@:6}"; do
+    client "generate x4 rate $r [$flags]" --num-workers 4 --request-rate "$r" --num-prompts "$n"
+  done
   stop
   ;;
 base)

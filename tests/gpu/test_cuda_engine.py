@@ -575,3 +575,64 @@ def test_decode_steps_are_timed_on_the_device(tiny_dir):
     assert 0 < p["time_device_decode_s"] <= p["time_decode_s"]
     assert 0 <= p["time_device_idle_chained_s"] <= p["time_decode_s"]
     assert "idle before a chained step" in device_timeline(p)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attention"])
+def test_piecewise_extend_graphs_match_eager_extend(tiny_dir, backend):
+    """Extend batches replayed as piecewise graphs (padded to their token bucket, attention
+    eager in between) give the eager forward's logits for every token: single prompts, chunks
+    after a cached prefix, mixed batches of one-token extends, and a batch past the largest
+    bucket (eager)."""
+    args = ServerArgs(
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        max_total_tokens=8192,
+        attention_backend=backend,
+        piecewise_cuda_graph_max_tokens=256,
+    )
+    runner, cache = bound_runner(args)
+    graphs = runner.piecewise_graph_runner
+    assert graphs is not None and graphs.buckets[-1] == 256
+    table = cache.req_to_token_pool.req_to_token
+    vocab = TINY["vocab_size"]
+    layouts = [  # (prefix, extend) per request
+        [(0, 5)],
+        [(0, 16)],
+        [(0, 100), (30, 1), (64, 1), (0, 17)],
+        [(12, 40), (0, 150), (7, 1)],
+        [(0, 300)],
+    ]
+    for layout in layouts:
+        rows, pages, ids = [], [], []
+        for prefix, extend in layout:
+            row = cache.req_to_token_pool.alloc()
+            slots = cache.allocator.alloc(prefix + extend)
+            table[row, : prefix + extend] = torch.tensor(slots)
+            seq = torch.randint(0, vocab, (prefix + extend,)).tolist()
+            rows.append(row)
+            pages.append(slots)
+            ids.append(seq)
+            if prefix:
+                runner.piecewise_graph_runner = None  # the cached prefix, computed eagerly
+                runner.forward_extend(seq[:prefix], list(range(prefix)), [row], [0], [prefix])
+                runner.piecewise_graph_runner = graphs
+        tokens = [t for (p, _), seq in zip(layout, ids, strict=True) for t in seq[p:]]
+        positions = [q for p, e in layout for q in range(p, p + e)]
+        call = (
+            tokens,
+            positions,
+            rows,
+            [p for p, _ in layout],
+            [e for _, e in layout],
+            None,
+            list(range(len(tokens))),  # every token's logits
+        )
+        got = runner.forward_extend(*call)
+        runner.piecewise_graph_runner = None
+        want = runner.forward_extend(*call)
+        runner.piecewise_graph_runner = graphs
+        assert (got - want).abs().max().item() < 1e-4, layout
+        for row, slots in zip(rows, pages, strict=True):
+            cache.allocator.free(slots)
+            cache.req_to_token_pool.free(row)

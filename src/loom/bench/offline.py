@@ -14,6 +14,7 @@ import torch
 from loom.bench import append_result
 from loom.bench.workload import make_requests
 from loom.scheduler.scheduler import SchedulerStats
+from loom.scheduler.stats import hist_delta, new_hist
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -128,7 +129,12 @@ _STEP_KEYS = tuple(f.name for f in fields(SchedulerStats))
 
 def step_profile(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Where the scheduler's time went during a run: the counters' differences."""
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in _STEP_KEYS}
+    d = {}
+    for k in _STEP_KEYS:
+        if k.startswith("step_hist_"):
+            d[k] = hist_delta(after.get(k) or new_hist(), before.get(k))
+        else:
+            d[k] = after.get(k, 0) - before.get(k, 0)
     for k in _STEP_KEYS:
         if k.endswith("_max_s"):  # a running maximum, not a sum (it may predate the run)
             d[k] = after.get(k, 0.0)

@@ -19,6 +19,7 @@ from typing import Any
 from loom.bench import append_result
 from loom.bench.serving_client import ENDPOINTS, WorkerSpec, WorkItem, worker_main
 from loom.bench.workload import arrival_offsets, make_requests
+from loom.scheduler.stats import hist_delta, hist_quantile
 
 # SGLang's bench_serving names for the same endpoints
 _ALIASES = {"sglang": "generate", "sglang-oai": "completions", "sglang-oai-chat": "chat"}
@@ -188,7 +189,13 @@ def server_profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[
     if wall <= 0:
         return {}
     d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
-    out: dict[str, float] = {"wall_s": wall}
+    out: dict[str, Any] = {"wall_s": wall}
+    for name in ("receive", "deliver"):
+        key = f"handover_{name}_hist"
+        if key in after:
+            h = hist_delta(after[key], before.get(key))
+            out[f"handover_{name}_p50_ms"] = 1000 * hist_quantile(h, 0.5)
+            out[f"handover_{name}_p99_ms"] = 1000 * hist_quantile(h, 0.99)
     for proc in ("front", "scheduler"):
         if f"{proc}_cpu_s" in d:
             out[f"{proc}_cpu"] = d[f"{proc}_cpu_s"] / wall
@@ -237,8 +244,19 @@ def _engine_delta(before: dict[str, Any], after: dict[str, Any], elapsed: float)
         # the share of the run the scheduler spent in steps (it steps while any request runs)
         "stepping": stepping / elapsed if elapsed else float("nan"),
     }
-    if d.get("time_device_decode_s") and elapsed:  # CUDA: the device's time in decode steps
+    if d.get("time_device_decode_s") and elapsed:  # CUDA: the device's time in steps
         out["device_decode_busy"] = d["time_device_decode_s"] / elapsed
+        out["device_busy"] = (
+            d["time_device_decode_s"] + d.get("time_device_prefill_s", 0)
+        ) / elapsed
+    # each kind of step's host time: count, p50, p99 (ms)
+    for kind in ("decode", "prefill", "mixed"):
+        key = f"step_hist_{kind}"
+        if key in after:
+            h = hist_delta(after[key], before.get(key))
+            out[f"{kind}_step_count"] = sum(h)
+            out[f"{kind}_step_p50_ms"] = 1000 * hist_quantile(h, 0.5)
+            out[f"{kind}_step_p99_ms"] = 1000 * hist_quantile(h, 0.99)
     return out
 
 
@@ -285,13 +303,34 @@ def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
                 else ""
             )
         )
+        for kind in ("decode", "prefill", "mixed"):
+            if eng.get(f"{kind}_step_count"):
+                print(
+                    f"{'  ' + kind + ' steps p50 / p99':<28}{eng[kind + '_step_p50_ms']:.2f} / "
+                    f"{eng[kind + '_step_p99_ms']:.2f} ms (x {eng[kind + '_step_count']}, "
+                    "bucket upper edges)"
+                )
+        if "device_busy" in eng:
+            print(f"{'device busy':<28}{eng['device_busy']:.0%} of the run (decode and prefill)")
         print(f"{'ITL p99 / engine step':<28}{summary['itl_p99_ms'] / eng['step_ms']:.1f}")
+        if eng.get("decode_step_count"):
+            print(
+                f"{'ITL p99 / decode step p50':<28}"
+                f"{summary['itl_p99_ms'] / eng['decode_step_p50_ms']:.1f}"
+            )
     prof = summary.get("server")
     if prof:
         cpu = ", ".join(
             f"{p} {prof[p + '_cpu']:.0%}" for p in ("front", "scheduler") if p + "_cpu" in prof
         )
         print(f"{'server CPU per process':<28}{cpu}")
+        if "handover_deliver_p99_ms" in prof:
+            print(
+                f"{'  hand-over p50 / p99':<28}received {prof['handover_receive_p50_ms']:.2f} / "
+                f"{prof['handover_receive_p99_ms']:.2f} ms, on the event loop "
+                f"{prof['handover_deliver_p50_ms']:.2f} / {prof['handover_deliver_p99_ms']:.2f} ms "
+                "after the scheduler emitted"
+            )
         for stage, count in STAGES:
             if stage + "_us" in prof:
                 print(

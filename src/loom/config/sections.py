@@ -394,6 +394,21 @@ class KernelArgs:
             "Default: --max-running-requests, up to 1024."
         ),
     )
+    disable_piecewise_cuda_graph: bool = field(
+        default=False,
+        metadata=_arg(
+            "Run extend batches (prefill, chunked prefill, mixed steps) eagerly instead of as "
+            "piecewise CUDA graphs (the layers between attention calls captured per token-count "
+            "bucket, attention run eagerly in between)."
+        ),
+    )
+    piecewise_cuda_graph_max_tokens: int = field(
+        default=1024,
+        metadata=_arg(
+            "Largest extend batch, in tokens, run as piecewise CUDA graphs (larger ones run "
+            "eagerly, where launch overhead is small beside their compute)."
+        ),
+    )
     skip_warmup: bool = field(
         default=False,
         metadata=_arg(
@@ -404,6 +419,7 @@ class KernelArgs:
 
     def __post_init__(self) -> None:
         _positive(self, "cuda_graph_max_bs")
+        _positive(self, "piecewise_cuda_graph_max_tokens")
 
 
 @dataclass(frozen=True)

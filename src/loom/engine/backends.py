@@ -1,10 +1,12 @@
 """Where the scheduler loop runs: a thread of this process (offline ``Engine``) or a process of its
 own talking ZMQ (``loom serve``, so the loop never waits on HTTP). Both expose the same
 interface to the front end: ``info`` (what the scheduler learned at start-up), ``send(message)``,
-and a callback that receives every ``SchedulerBatchOut``."""
+a callback that receives every ``SchedulerBatchOut``, and ``receive_on(loop)``: from then on the
+callback runs on that event loop (the HTTP server's) where the backend can arrange it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -134,6 +136,12 @@ class ThreadBackend:
     def send(self, message: Message) -> None:
         self._inbox.put(message)
 
+    def receive_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Outputs stay on the scheduler's thread (handed to loops one callback a step)."""
+
+    def stop_receiving(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -223,6 +231,8 @@ class ProcessBackend:
         self._on_batch = on_batch
         self._on_failure = on_failure
         self.receive_s = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by receive_on
+        self._failed = False  # the failure was reported (once)
         self._dir = tempfile.mkdtemp(prefix="loom-ipc-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
@@ -265,27 +275,111 @@ class ProcessBackend:
         raise TimeoutError(f"the scheduler process did not start within {timeout:.0f} s")
 
     def _receive(self) -> None:
+        """The receiving thread, until ``receive_on`` hands receiving to an event loop."""
         import zmq
 
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and self._loop is None:
             try:
                 ready = self._pull.poll(200)
             except zmq.ZMQError:
                 return
             if ready:
-                t = time.perf_counter()
-                msg = self._pull.recv_pyobj()
-                self.receive_s += time.perf_counter() - t  # taking it off the socket, unpickling
-                if isinstance(msg, SchedulerBatchOut):
-                    self._on_batch(msg)
-                elif msg[0] == "fatal":
-                    self._on_failure(RuntimeError(f"the scheduler process failed: {msg[1]}"))
+                if not self._handle(self._recv()):
                     return
             elif not self.process.is_alive() and not self._stopping.is_set():
-                self._on_failure(
-                    RuntimeError(f"the scheduler process died (exit code {self.process.exitcode})")
-                )
+                self._died()
                 return
+
+    def _recv(self) -> Any:
+        t = time.perf_counter()
+        msg = self._pull.recv_pyobj()
+        self.receive_s += time.perf_counter() - t  # taking it off the socket, unpickling
+        return msg
+
+    def _handle(self, msg: Any) -> bool:
+        """Route one message from the scheduler; False once it reported its failure."""
+        if isinstance(msg, SchedulerBatchOut):
+            self._on_batch(msg)
+            return True
+        if msg[0] == "fatal" and not self._failed:
+            self._failed = True
+            self._on_failure(RuntimeError(f"the scheduler process failed: {msg[1]}"))
+        return False
+
+    def _died(self) -> None:
+        if not self._failed:
+            self._failed = True
+            self._on_failure(
+                RuntimeError(f"the scheduler process died (exit code {self.process.exitcode})")
+            )
+
+    # ---- receiving on an event loop -----------------------------------------------------------
+
+    def receive_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take the scheduler's outputs on ``loop`` (the HTTP server's, from its start-up) from
+        now on, instead of on the receiving thread: a step's outputs then reach the requests
+        waiting on that loop with no thread hop, and no second thread competes for the
+        interpreter lock while the loop streams. A thread of its own only watches the process
+        (blocked in the kernel, holding no lock)."""
+        import zmq
+
+        if self._loop is not None:
+            return
+        self._loop = loop
+        self._receiver.join()  # it stops within one poll interval
+        self._fd = self._pull.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._drain)
+        loop.call_soon(self._drain)  # what arrived before the reader was registered
+        self._receiver = threading.Thread(target=self._watch, name="loom-watch", daemon=True)
+        self._receiver.start()
+
+    def _drain(self, limit: int = 16) -> None:
+        """On the loop: route what the socket holds. ZMQ's descriptor signals only a change, so
+        it is read until empty (``EVENTS``), at most ``limit`` messages before the loop's other
+        callbacks run again."""
+        import zmq
+
+        for _ in range(limit):
+            try:
+                if not self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                msg = self._recv()
+            except zmq.ZMQError:  # closed by shutdown
+                return
+            if not self._handle(msg):
+                self._stop_reading()
+                return
+        self._loop.call_soon(self._drain)
+
+    def stop_receiving(self) -> None:
+        """On the loop given to ``receive_on``, before it closes: route nothing more there."""
+        if self._loop is not None:
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+
+    def _watch(self) -> None:
+        """Wait for the scheduler process to exit; unless that is a shutdown, report its death
+        after the loop has routed what it sent last (its own error, if it sent one)."""
+        while self.process.is_alive() and not self._stopping.is_set():
+            self.process.join(timeout=0.5)
+        if self._stopping.is_set():
+            return
+        done = threading.Event()
+
+        def last_drain() -> None:
+            try:
+                self._drain(limit=1 << 30)
+            finally:
+                done.set()
+
+        with contextlib.suppress(RuntimeError):  # a closed loop
+            self._loop.call_soon_threadsafe(last_drain)
+            done.wait(timeout=2.0)
+        if not self._stopping.is_set():
+            self._died()
 
     def send(self, message: Message) -> None:
         """Never blocks: a PUSH socket's blocking send waits forever once its peer is gone (a
@@ -320,6 +414,9 @@ class ProcessBackend:
         receiver = getattr(self, "_receiver", None)
         if receiver is not None and receiver is not threading.current_thread():
             receiver.join(timeout=2)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (a closed loop has no readers left)
+                self._loop.call_soon_threadsafe(self._stop_reading)
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()

@@ -89,8 +89,8 @@ class Engine:
                     f"no tokenizer found at {path}; pass --tokenizer-path or --skip-tokenizer-init"
                 )
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path, tokenizer)
-        self.router = OutputRouter()
         self.profile = FrontendProfile()
+        self.router = OutputRouter(self.profile)
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
         self.load: dict[str, Any] = {}  # the scheduler's latest load figures

@@ -9,6 +9,11 @@ Stages (each timed with two ``perf_counter`` calls, ~0.1 us, against stages of m
 - ``apply``: one output applied to its request (detokenising and stop strings included);
 - ``detokenize``: detokenising, per token;
 - ``sse``: one server-sent event encoded.
+
+Hand-over delays (histograms, ``scheduler.stats.hist_add``), from the scheduler's emitting a
+step's outputs (``SchedulerBatchOut.sent_at``): ``handover_receive_hist`` until this process
+routes them, ``handover_deliver_hist`` until the event loop of the requests that wait for them
+puts them in their queues. Their tail is latency the front end adds to every token.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+from loom.scheduler.stats import new_hist
 
 
 class FrontendProfile:
@@ -28,6 +35,8 @@ class FrontendProfile:
         self.detokenize_s = 0.0
         self.sse_events = 0
         self.sse_s = 0.0
+        self.handover_receive_hist = new_hist()
+        self.handover_deliver_hist = new_hist()
 
     def snapshot(self, scheduler_cpu_s: float | None) -> dict[str, Any]:
         """The counters now, with this process's CPU seconds (``front_cpu_s``) and the
@@ -36,7 +45,7 @@ class FrontendProfile:
             "wall_s": time.monotonic(),
             "front_cpu_s": time.process_time(),
             "front_pid": os.getpid(),
-            **vars(self),
+            **{k: list(v) if type(v) is list else v for k, v in vars(self).items()},
         }
         if scheduler_cpu_s is not None:
             snap["scheduler_cpu_s"] = scheduler_cpu_s

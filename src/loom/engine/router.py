@@ -3,7 +3,8 @@
 Every request in flight has a ``ReqState`` here, by id, with its output queue (a thread queue,
 an asyncio queue fed through its loop, or a queue shared by the requests of one batch, which
 gets each step's outputs as one list). Control messages (loading an adapter) wait for their
-reply here too. ``on_batch`` runs on the backend's thread; everything else on callers'.
+reply here too. ``on_batch`` runs where the backend receives (its thread, or the HTTP server's
+event loop, whose requests' queues it then fills directly); everything else on callers'.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import uuid
 from collections.abc import Callable
 
 from loom.engine.outputs import ReqState
+from loom.engine.profile import FrontendProfile
 from loom.scheduler.messages import ReqOutput, SchedulerBatchOut
+from loom.scheduler.stats import hist_add
 
 
 class OutputRouter:
-    def __init__(self) -> None:
+    def __init__(self, profile: FrontendProfile | None = None) -> None:
+        self.profile = profile or FrontendProfile()
         self.states: dict[str, ReqState] = {}
         self.control: dict[str, queue.Queue] = {}  # replies to control messages, by id
         self.lock = threading.Lock()
@@ -68,6 +72,7 @@ class OutputRouter:
 
     def on_batch(self, batch: SchedulerBatchOut) -> None:
         now = time.monotonic()
+        hist_add(self.profile.handover_receive_hist, now - batch.sent_at)
         metrics = self.metrics
         with self.lock:
             found = [
@@ -102,8 +107,16 @@ class OutputRouter:
                 st.outputs.put(out)
         for q, outs in grouped.values():
             q.put(outs)
+        deliver_hist = self.profile.handover_deliver_hist
+        try:
+            here = asyncio.get_running_loop()  # receiving on a loop (ProcessBackend.receive_on)
+        except RuntimeError:
+            here = None
         for loop, items in by_loop.values():
-            _call_soon(loop, _deliver, items)
+            if loop is here:
+                _deliver((items, batch.sent_at, deliver_hist))
+            else:
+                _call_soon(loop, _deliver, (items, batch.sent_at, deliver_hist))
         if metrics is not None:
             metrics.observe_load(batch.stats)
 
@@ -135,8 +148,10 @@ def put(st: ReqState, out: ReqOutput) -> None:
         st.outputs.put(out)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, ReqOutput]]) -> None:
-    """On the requests' event loop: fill their queues."""
+def _deliver(arg: tuple[list[tuple[asyncio.Queue, ReqOutput]], float, list[int]]) -> None:
+    """On the requests' event loop: fill their queues (and count the hand-over's delay)."""
+    items, sent_at, hist = arg
+    hist_add(hist, time.monotonic() - sent_at)
     for q, out in items:
         q.put_nowait(out)
 

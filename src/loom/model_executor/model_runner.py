@@ -92,6 +92,7 @@ class ModelRunner:
         self.req_to_token_pool = None
         self.attn_backend = None
         self.cuda_graph_runner = None
+        self.piecewise_graph_runner = None
 
     def bind(self, req_to_token_pool: ReqToTokenPool) -> None:
         """Take the request-to-token table (the cache manager's; the attention kernels read
@@ -109,6 +110,21 @@ class ModelRunner:
             # launches), which large batches cannot hide: capture up to the running limit.
             max_bs = args.cuda_graph_max_bs or self.defaults.cuda_graph_max_bs
             self.capture_cuda_graphs(min(max_bs, self.max_running_requests))
+            if not args.disable_piecewise_cuda_graph and type(self.model).splits_forward():
+                self.capture_piecewise_graphs(args.piecewise_cuda_graph_max_tokens)
+
+    def capture_piecewise_graphs(self, max_tokens: int) -> None:
+        """Capture the extend graphs of every token-count bucket up to ``max_tokens``."""
+        from loom.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
+
+        self.piecewise_graph_runner = PiecewiseGraphRunner(
+            self.model.forward_hidden,
+            self._attach,
+            self.attn_backend,
+            self.device,
+            self.model_config.context_len,
+            max_tokens,
+        )
 
     def capture_cuda_graphs(self, max_bs: int) -> None:
         """Capture the decode graphs of every batch-size bucket up to ``max_bs``."""
@@ -272,27 +288,38 @@ class ModelRunner:
         ones. ``lora_slots``: each request's adapter slot (-1: none). The logits of each
         request's last token, or of ``logit_indices``."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-        table = self.req_to_token_pool.req_to_token
         pool_idx = list(req_pool_indices)
-        out_loc = torch.cat(
-            [table[i, p:s] for i, p, s in zip(pool_idx, prefix_lens, seq_lens, strict=True)]
-        )
+        bs, n = len(pool_idx), len(input_ids)
+        # One host-to-device copy: each token's id, position and request row, then the request
+        # rows and sequence lengths; the tokens' KV slots are gathered from the table.
+        token_rows = [r for r, e in zip(pool_idx, extend_lens, strict=True) for _ in range(e)]
+        packed = torch.tensor(
+            [*input_ids, *positions, *token_rows, *pool_idx, *seq_lens], dtype=torch.int64
+        ).to(self.device, non_blocking=True)
+        ids, pos, rows = packed[: 3 * n].view(3, n).unbind(0)
+        table = self.req_to_token_pool.req_to_token
         batch = ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
-            batch_size=len(pool_idx),
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            out_cache_loc=out_loc,
-            req_pool_indices=self._tensor(pool_idx),
-            seq_lens=self._tensor(seq_lens),
+            batch_size=bs,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=table[rows, pos],
+            req_pool_indices=packed[3 * n : 3 * n + bs],
+            seq_lens=packed[3 * n + bs :],
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=list(extend_lens),
         )
         if logit_indices is not None:
             batch.logit_indices = self._tensor(logit_indices)
+        with_lora = self.lora_manager is not None and max(lora_slots or [-1]) >= 0
+        graphs = self.piecewise_graph_runner
+        if graphs is not None and graphs.can_run(n) and not with_lora:
+            # (the graphs hold the base model only: batches with an adapter run eagerly)
+            hidden = graphs.run(torch.stack([ids, pos, batch.out_cache_loc]), self._attach(batch))
+            return self.model.compute_logits(hidden, batch)
         if self.lora_manager is not None:
-            slots = lora_slots if lora_slots is not None else [-1] * len(pool_idx)
+            slots = lora_slots if lora_slots is not None else [-1] * bs
             return self._run_lora(batch, slots, extend_lens)
         return self._run(batch)
 

@@ -21,6 +21,10 @@ class CausalLM(nn.Module, ABC):
       (a loader fills every one of them).
     - ``forward(input_ids, positions, batch)`` takes the flattened tokens of a batch and returns
       logits ``[batch.batch_size, vocab_size]`` in float32 for each request's last new token.
+    - Optionally, ``forward`` split in two: ``forward_hidden(input_ids, positions, batch)`` (the
+      final hidden states of every token, reading no host-side list of the batch) and
+      ``compute_logits(hidden, batch)``. A model that has them runs its extend batches as
+      piecewise CUDA graphs (``model_executor/piecewise_graph_runner.py``).
     - ``load_weights(weights)`` consumes ``(hf_name, full_tensor)`` pairs in HF naming; packed
       parameters are described by ``packed_modules_mapping`` (fused name -> checkpoint names) and
       every parameter's ``weight_loader`` does its own tensor-parallel slicing.
@@ -35,6 +39,22 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def splits_forward(cls) -> bool:
+        """Whether the model has ``forward_hidden`` and ``compute_logits``."""
+        return (
+            cls.forward_hidden is not CausalLM.forward_hidden
+            and cls.compute_logits is not CausalLM.compute_logits
+        )
 
     @classmethod
     def kv_cache_shape(cls, config: Any) -> tuple[int, int, int]:

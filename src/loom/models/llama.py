@@ -138,7 +138,12 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids, positions, batch):
-        hidden = self.model(input_ids, positions, batch)
+        return self.compute_logits(self.forward_hidden(input_ids, positions, batch), batch)
+
+    def forward_hidden(self, input_ids, positions, batch):
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden, batch):
         last = hidden[batch.last_token_indices()] if not batch.is_decode else hidden
         return self.lm_head.compute_logits(last).float()
 

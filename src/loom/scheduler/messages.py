@@ -9,6 +9,7 @@ failed) and ``Shutdown``. Out: ``SchedulerBatchOut``, a step's ``ReqOutput``s pl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,3 +85,6 @@ class ReqOutput:
 class SchedulerBatchOut:
     outputs: list[ReqOutput]
     stats: dict[str, Any] = field(default_factory=dict)
+    # time.monotonic() when the scheduler emitted it (one clock for every process of this
+    # machine): the front end measures its hand-over delay from here
+    sent_at: float = field(default_factory=time.monotonic)

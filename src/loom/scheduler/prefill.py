@@ -84,11 +84,15 @@ class PrefillManager:
         # Overlap: a prefill step whose sampled first tokens are still on their way; the next
         # prefill launches before they are applied (its requests already count as running)
         self.inflight: InflightStep | None = None
+        # CUDA: events around prefill steps the device may not have finished yet
+        self._time_device = runner.device.type == "cuda"
+        self._device_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     def reset(self, keep_waiting: bool) -> None:
         """Forget the chunked request and the step in flight (a failed step), and the queue
         unless ``keep_waiting``."""
         self.chunked_req, self.inflight = None, None
+        self._device_spans.clear()
         if not keep_waiting:
             self.waiting = deque()
 
@@ -328,6 +332,10 @@ class PrefillManager:
                 row += len(idx)
                 last_rows.append(row - 1)
                 offset += it.extend_len
+        begin = None
+        if self._time_device:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         logits = self.runner.forward_extend(
             input_ids,
             positions,
@@ -350,10 +358,25 @@ class PrefillManager:
             self.cache.cache_unfinished(it.req)
         done = [i for i, it in enumerate(items) if it.completes]
         if not done:
+            self._end_device_span(begin)
             return None, []
         done_reqs = [reqs[i] for i in done]
         sampled = InflightStep.start(done_reqs, self.sampler.sample(logits[done], done_reqs))
+        self._end_device_span(begin)
         return sampled, [reqs[i] for i in done if not items[i].decode]
+
+    def _end_device_span(self, begin: torch.cuda.Event | None) -> None:
+        """CUDA: close the device span of the prefill step just queued, and add up those the
+        device has finished (``time_device_prefill_s``) without waiting for any."""
+        if begin is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        spans = self._device_spans
+        spans.append((begin, end))
+        while spans and spans[0][1].query():
+            b, e = spans.popleft()
+            self.stats.time_device_prefill_s += b.elapsed_time(e) / 1e3
 
     @staticmethod
     def _input_logprobs(items, wants, logits, last_rows) -> None:

@@ -30,7 +30,7 @@ from loom.scheduler.messages import ReqOutput
 from loom.scheduler.outputs import append_token, make_output
 from loom.scheduler.prefill import PrefillManager
 from loom.scheduler.request import Req
-from loom.scheduler.stats import SchedulerStats
+from loom.scheduler.stats import SchedulerStats, hist_add
 
 if TYPE_CHECKING:
     from loom.config import ServerArgs
@@ -233,6 +233,7 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         t = time.perf_counter()
         prefills = self.stats.num_prefill_batches
+        decodes, mixed_before = self.stats.num_decode_batches, self.stats.num_mixed_batches
         waited = self.stats.time_grammar_wait_s
         self._tail_s = self._prefill_tail_s = 0.0
         try:
@@ -246,15 +247,20 @@ class Scheduler:
         for out in outputs:
             if out.finished_reason is not None:
                 self._live.pop(out.rid, None)
-        dt = time.perf_counter() - t - (self.stats.time_grammar_wait_s - waited)
-        if self.stats.num_prefill_batches != prefills:
+        st = self.stats
+        dt = time.perf_counter() - t - (st.time_grammar_wait_s - waited)
+        if st.num_prefill_batches != prefills:
             # the wait for the decode step still in flight belongs to decode, not to the
             # prefill that follows it
-            self.stats.time_prefill_s += dt - self._tail_s
-            self.stats.time_decode_s += self._tail_s
+            st.time_prefill_s += dt - self._tail_s
+            st.time_decode_s += self._tail_s
+            mixed = st.num_mixed_batches != mixed_before
+            hist_add(st.step_hist_mixed if mixed else st.step_hist_prefill, dt)
         else:  # and the wait for a prefill still in flight, to prefill
-            self.stats.time_decode_s += dt - self._prefill_tail_s
-            self.stats.time_prefill_s += self._prefill_tail_s
+            st.time_decode_s += dt - self._prefill_tail_s
+            st.time_prefill_s += self._prefill_tail_s
+            if st.num_decode_batches != decodes:
+                hist_add(st.step_hist_decode, dt)
         return outputs
 
     def _step(self) -> list[ReqOutput]:

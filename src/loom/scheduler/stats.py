@@ -1,11 +1,45 @@
-"""The scheduler's counters (``SchedulerStats``) and the load figures it reports with every
-batch of outputs (``scheduler_stats``)."""
+"""The scheduler's counters (``SchedulerStats``), the load figures it reports with every
+batch of outputs (``scheduler_stats``), and the latency histograms both it and the front end
+keep (``hist_add`` / ``hist_quantile``: counts over fixed log-spaced buckets, so two snapshots
+subtract into the distribution of what happened between them)."""
 
 from __future__ import annotations
 
+import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# Upper edges of the histogram buckets in seconds: 0.1 ms to ~6.6 s, four per octave (each
+# bucket 19% wider than the one before); a last bucket counts what lies beyond.
+HIST_EDGES_S = tuple(1e-4 * 2 ** (i / 4) for i in range(65))
+
+
+def new_hist() -> list[int]:
+    return [0] * (len(HIST_EDGES_S) + 1)
+
+
+def hist_add(counts: list[int], seconds: float) -> None:
+    counts[bisect.bisect_left(HIST_EDGES_S, seconds)] += 1
+
+
+def hist_delta(after: list[int], before: list[int] | None) -> list[int]:
+    return list(after) if not before else [a - b for a, b in zip(after, before, strict=True)]
+
+
+def hist_quantile(counts: list[int], q: float) -> float:
+    """The upper edge (seconds) of the bucket holding quantile ``q`` (0..1); nan when empty,
+    inf in the overflow bucket."""
+    total = sum(counts)
+    if total == 0:
+        return float("nan")
+    rank = q * total
+    seen = 0
+    for i, c in enumerate(counts):
+        seen += c
+        if seen >= rank and c:
+            return HIST_EDGES_S[i] if i < len(HIST_EDGES_S) else float("inf")
+    return float("inf")
 
 
 @dataclass
@@ -43,8 +77,17 @@ class SchedulerStats:
     time_device_idle_chained_s: float = 0.0
     num_device_idle_chained_steps: int = 0  # chained steps the device waited over 0.5 ms for
     time_device_idle_chained_max_s: float = 0.0
+    # CUDA: the device's time in prefill steps (mixed ones included), from events around each
+    # prefill forward and its sampling; with time_device_decode_s, how busy the device was
+    time_device_prefill_s: float = 0.0
     # handing each step's outputs to the front end (pickling and sending them, for a process)
     time_emit_s: float = 0.0
+    # Host wall time of each step() by what it ran (hist_add buckets): a decode step, a prefill
+    # step, and a prefill step into which the running requests' decode was mixed. A request's
+    # inter-token gaps are these steps (plus the hand-over to its client).
+    step_hist_decode: list[int] = field(default_factory=new_hist)
+    step_hist_prefill: list[int] = field(default_factory=new_hist)
+    step_hist_mixed: list[int] = field(default_factory=new_hist)
 
     def reset(self) -> None:
         """Every counter back to zero, in place (the scheduler's parts share this object)."""
@@ -78,6 +121,7 @@ def _stats(sched, alloc, used: int) -> dict[str, Any]:
         "kv_free_pages": alloc.num_free,
         "kv_total_pages": alloc.num_pages,
         "process_cpu_s": time.process_time(),  # the scheduler's process (CPU seconds)
-        # every SchedulerStats counter, by its field name (vars: no per-step deep copy)
-        **vars(sched.stats),
+        # every SchedulerStats counter, by its field name (the histograms copied: an in-process
+        # front end keeps this dict while the scheduler goes on counting)
+        **{k: list(v) if type(v) is list else v for k, v in vars(sched.stats).items()},
     }

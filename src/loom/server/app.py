@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -26,9 +27,18 @@ def create_app(engine: Engine) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        loop = asyncio.get_running_loop()
+        # the scheduler's outputs are received on this loop, which streams them
+        engine.backend.receive_on(loop)
+        # What start-up built (the tokenizer, imported libraries, the app) lives until shutdown:
+        # keep it out of the collector's full passes, each of which would otherwise walk it all
+        # while every stream waits.
+        gc.collect()
+        gc.freeze()
         yield
+        engine.backend.stop_receiving()
         # Stop the scheduler process before uvicorn re-raises SIGTERM/SIGINT and exits.
-        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        await loop.run_in_executor(None, engine.shutdown)
 
     app = FastAPI(title="Loom", version="0.1.0", lifespan=lifespan)
     if not ctx.args.disable_metrics:

@@ -38,11 +38,6 @@ def serve(server_kwargs: dict[str, Any]) -> int:
     )
     engine = Engine(backend="process", **server_kwargs)
     args = engine.server_args
-    # Two threads share this process's interpreter lock: the event loop and the thread that
-    # receives the scheduler's outputs. A thread that asks for the lock waits up to the switch
-    # interval (5 ms by default) while the other runs, and a step's outputs reach the streams
-    # that much later; 1 ms keeps that wait below a small model's decode step.
-    sys.setswitchinterval(0.001)
     failed: list[BaseException] = []
     servers: list = []
 
