@@ -131,6 +131,13 @@ class CacheManager:
             self._write_row(req, start, locs)
         return locs
 
+    def write_slots(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        """Record one slot per (request row, position) in the req-to-token table, in one copy."""
+        table = self.req_to_token_pool.req_to_token
+        packed = torch.tensor([rows, positions, slots], dtype=torch.int64)
+        r, p, s = packed.to(table.device, non_blocking=True).unbind(0)
+        table[r, p] = s
+
     def _write_row(self, req, start: int, slots: list[int]) -> None:
         table = self.req_to_token_pool.req_to_token
         table[req.req_pool_idx, start : start + len(slots)] = torch.tensor(

@@ -271,11 +271,16 @@ class PrefillManager:
         not give every running request its next slot without evicting or retracting."""
         if self.decode.pages_needed() > self.cache.num_free:
             return []
-        items = []
+        items, rows, positions, slots = [], [], [], []
         for req in self.decode.running:
-            if self.cache.alloc_kv(req, 1) is None:  # cannot happen: room was checked
+            loc = self.cache.alloc_kv(req, 1, write=False)
+            if loc is None:  # cannot happen: room was checked
                 raise AssertionError("mixed decode slot")
             items.append(ExtendItem(req, req.kv_len, 1, decode=True))
+            rows.append(req.req_pool_idx)
+            positions.append(req.kv_len)
+            slots += loc
+        self.cache.write_slots(rows, positions, slots)  # one copy for the running requests
         self.stats.num_mixed_batches += 1
         return items
 
@@ -318,6 +323,10 @@ class PrefillManager:
         self.stats.num_prefill_batches += 1
         input_ids, positions = [], []
         for it in items:
+            if it.decode:  # (its one token is its last output)
+                input_ids.append(it.req.output_ids[-1])
+                positions.append(it.prefix_len)
+                continue
             input_ids += it.req.fill_ids[it.prefix_len : it.prefix_len + it.extend_len]
             positions += range(it.prefix_len, it.prefix_len + it.extend_len)
         reqs = [it.req for it in items]

@@ -1,0 +1,85 @@
+"""Where the scheduler's host time goes in a serving-like load: RUNNING requests decode while a
+new request arrives every EVERY steps, the scheduler stepped on this thread under cProfile.
+
+python bench/mixed_step_profile.py CONFIG.json [--steps N] [--running R] [--every K]
+    [-- extra engine flags as key=value, e.g. enable_mixed_chunk=1 chunked_prefill_size=256]
+
+Prints each kind of step's p50 / p99 host time (the scheduler's histograms) and the functions
+with the most cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+
+from loom.config import ServerArgs
+from loom.engine.backends import _build_scheduler
+from loom.sampling.sampling_params import SamplingParams
+from loom.scheduler.messages import GenerateRequest
+from loom.scheduler.request import Req
+from loom.scheduler.stats import hist_quantile
+
+
+def _value(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--running", type=int, default=64)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--top", type=int, default=35)
+    p.add_argument("flags", nargs="*", help="engine arguments as key=value")
+    ns = p.parse_intermixed_args()
+    kw = dict(model=ns.model, load_format="dummy", skip_tokenizer_init=True)
+    kw.update({k: _value(v) for k, v in (f.split("=", 1) for f in ns.flags)})
+    args = ServerArgs(**kw)
+    _, sched, info = _build_scheduler(args, set())
+    rng = random.Random(0)
+    vocab = info["vocab_size"]
+    count = 0
+
+    def add(out_len: int) -> None:
+        nonlocal count
+        ids = [rng.randrange(vocab) for _ in range(ns.input_len)]
+        params = SamplingParams(max_new_tokens=out_len, ignore_eos=True, temperature=0.0)
+        sched.add_request(Req.from_message(GenerateRequest(f"r{count}", ids, params)))
+        count += 1
+
+    for _ in range(ns.running):
+        add(10 * ns.output_len)  # long-running: they decode through the whole profile
+    while sched.prefill.waiting or sched.prefill.chunked_req is not None:
+        sched.step()
+    sched.stats.reset()
+    prof = cProfile.Profile()
+    prof.enable()
+    for step in range(ns.steps):
+        if step % ns.every == 0:
+            add(ns.output_len)
+        sched.step()
+    prof.disable()
+    st = sched.stats
+    for kind in ("decode", "prefill", "mixed"):
+        h = getattr(st, f"step_hist_{kind}")
+        if sum(h):
+            print(
+                f"{kind:>8} steps: {sum(h)}, p50 {1000 * hist_quantile(h, 0.5):.2f} ms, "
+                f"p99 {1000 * hist_quantile(h, 0.99):.2f} ms"
+            )
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(ns.top)
+
+
+if __name__ == "__main__":
+    main()
