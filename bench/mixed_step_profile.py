@@ -15,21 +15,14 @@ import cProfile
 import pstats
 import random
 
+from gpu_kernel_profile import _value  # (run as a script: this folder is on sys.path)
+
 from loom.config import ServerArgs
 from loom.engine.backends import _build_scheduler
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.messages import GenerateRequest
 from loom.scheduler.request import Req
 from loom.scheduler.stats import hist_quantile
-
-
-def _value(v: str):
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(v.lower(), v)
 
 
 def main() -> None:

@@ -52,6 +52,37 @@ def _loom_logits(bound, ids: list[int], split: int | None = None) -> torch.Tenso
         cache.req_to_token_pool.free(row)
 
 
+def extend_all_logits(runner, cache, layout, seqs) -> torch.Tensor:
+    """Every new token's logits of one extend batch (``layout``: (prefix, new tokens) per
+    request; ``seqs``: each request's tokens), the prefixes prefilled first."""
+    table = cache.req_to_token_pool.req_to_token
+    rows, held = [], []
+    for (prefix, extend), seq in zip(layout, seqs, strict=True):
+        row = cache.req_to_token_pool.alloc()
+        slots = cache.allocator.alloc(prefix + extend)
+        table[row, : prefix + extend] = torch.tensor(slots)
+        rows.append(row)
+        held.append(slots)
+        if prefix:
+            runner.forward_extend(seq[:prefix], list(range(prefix)), [row], [0], [prefix])
+    tokens = [t for (p, _), seq in zip(layout, seqs, strict=True) for t in seq[p:]]
+    positions = [q for p, e in layout for q in range(p, p + e)]
+    try:
+        return runner.forward_extend(
+            tokens,
+            positions,
+            rows,
+            [p for p, _ in layout],
+            [e for _, e in layout],
+            None,
+            list(range(len(tokens))),
+        )
+    finally:
+        for row, slots in zip(rows, held, strict=True):
+            cache.allocator.free(slots)
+            cache.req_to_token_pool.free(row)
+
+
 @torch.inference_mode()
 def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0, -1].float()

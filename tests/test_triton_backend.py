@@ -360,37 +360,6 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
     assert runs[True] == runs[False]
 
 
-def _extend_all_logits(runner, cache, layout, seqs) -> torch.Tensor:
-    """Every new token's logits of one extend batch (``layout``: (prefix, new tokens) per
-    request; ``seqs``: each request's tokens), the prefixes prefilled first."""
-    table = cache.req_to_token_pool.req_to_token
-    rows, held = [], []
-    for (prefix, extend), seq in zip(layout, seqs, strict=True):
-        row = cache.req_to_token_pool.alloc()
-        slots = cache.allocator.alloc(prefix + extend)
-        table[row, : prefix + extend] = torch.tensor(slots)
-        rows.append(row)
-        held.append(slots)
-        if prefix:
-            runner.forward_extend(seq[:prefix], list(range(prefix)), [row], [0], [prefix])
-    tokens = [t for (p, _), seq in zip(layout, seqs, strict=True) for t in seq[p:]]
-    positions = [q for p, e in layout for q in range(p, p + e)]
-    try:
-        return runner.forward_extend(
-            tokens,
-            positions,
-            rows,
-            [p for p, _ in layout],
-            [e for _, e in layout],
-            None,
-            list(range(len(tokens))),
-        )
-    finally:
-        for row, slots in zip(rows, held, strict=True):
-            cache.allocator.free(slots)
-            cache.req_to_token_pool.free(row)
-
-
 @pytest.mark.parametrize(
     "layout",
     [
@@ -403,14 +372,14 @@ def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout):
     """The triton backend's extend batches whose trailing one-token rows take the decode
     kernel give torch_native's logits for every token."""
     from loom.config import ServerArgs
-    from tests.test_llama_parity import bound_runner
+    from tests.test_llama_parity import bound_runner, extend_all_logits
 
     seqs = [
         torch.randint(0, 256, (p + e,), generator=torch.Generator().manual_seed(i)).tolist()
         for i, (p, e) in enumerate(layout)
     ]
     got, want = (
-        _extend_all_logits(
+        extend_all_logits(
             *bound_runner(
                 ServerArgs(
                     model=tiny_dir, max_total_tokens=1024, dtype="float32", attention_backend=b

@@ -11,7 +11,7 @@ import torch
 import loom
 from loom.config import ServerArgs
 from tests.conftest import save_tiny_llama
-from tests.test_llama_parity import _loom_logits, bound_runner
+from tests.test_llama_parity import _loom_logits, bound_runner, extend_all_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -594,8 +594,6 @@ def test_piecewise_extend_graphs_match_eager_extend(tiny_dir, backend):
     runner, cache = bound_runner(args)
     graphs = runner.piecewise_graph_runner
     assert graphs is not None and graphs.buckets[-1] == 256
-    table = cache.req_to_token_pool.req_to_token
-    vocab = TINY["vocab_size"]
     layouts = [  # (prefix, extend) per request
         [(0, 5)],
         [(0, 16)],
@@ -604,35 +602,9 @@ def test_piecewise_extend_graphs_match_eager_extend(tiny_dir, backend):
         [(0, 300)],
     ]
     for layout in layouts:
-        rows, pages, ids = [], [], []
-        for prefix, extend in layout:
-            row = cache.req_to_token_pool.alloc()
-            slots = cache.allocator.alloc(prefix + extend)
-            table[row, : prefix + extend] = torch.tensor(slots)
-            seq = torch.randint(0, vocab, (prefix + extend,)).tolist()
-            rows.append(row)
-            pages.append(slots)
-            ids.append(seq)
-            if prefix:
-                runner.piecewise_graph_runner = None  # the cached prefix, computed eagerly
-                runner.forward_extend(seq[:prefix], list(range(prefix)), [row], [0], [prefix])
-                runner.piecewise_graph_runner = graphs
-        tokens = [t for (p, _), seq in zip(layout, ids, strict=True) for t in seq[p:]]
-        positions = [q for p, e in layout for q in range(p, p + e)]
-        call = (
-            tokens,
-            positions,
-            rows,
-            [p for p, _ in layout],
-            [e for _, e in layout],
-            None,
-            list(range(len(tokens))),  # every token's logits
-        )
-        got = runner.forward_extend(*call)
-        runner.piecewise_graph_runner = None
-        want = runner.forward_extend(*call)
+        seqs = [torch.randint(0, TINY["vocab_size"], (p + e,)).tolist() for p, e in layout]
+        got = extend_all_logits(runner, cache, layout, seqs)
+        runner.piecewise_graph_runner = None  # eager, prefixes included
+        want = extend_all_logits(runner, cache, layout, seqs)
         runner.piecewise_graph_runner = graphs
         assert (got - want).abs().max().item() < 1e-4, layout
-        for row, slots in zip(rows, pages, strict=True):
-            cache.allocator.free(slots)
-            cache.req_to_token_pool.free(row)
