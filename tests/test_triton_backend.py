@@ -366,6 +366,8 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
         [(0, 9), (5, 7), (12, 1), (30, 1), (3, 1)],  # a mixed step: prompts, then decoding rows
         [(17, 1), (0, 1), (40, 1)],  # one-token rows only
         [(0, 6), (4, 1), (0, 5)],  # a one-token row between prompts: the extend kernel's
+        # more rows than the decode kernel splits KV for: one split, programs longest first
+        [(0, 4)] + [(3 + 2 * i, 1) for i in range(34)],
     ],
 )
 def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout):
@@ -382,7 +384,7 @@ def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout):
         extend_all_logits(
             *bound_runner(
                 ServerArgs(
-                    model=tiny_dir, max_total_tokens=1024, dtype="float32", attention_backend=b
+                    model=tiny_dir, max_total_tokens=4096, dtype="float32", attention_backend=b
                 )
             ),
             layout,

@@ -63,6 +63,12 @@ class _Metadata:
     # requests), and their tokens; the rows after them take the decode kernel
     num_extend_reqs: int = 0
     num_extend_tokens: int = 0
+    # the trailing rows' request rows, sequence lengths and (one KV split) program order, in
+    # tensors of their own: as the decode graphs pass them (16-byte aligned, ordered when one
+    # split), so the kernel variants their capture compiled serve mixed steps too
+    decode_rows: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_order: torch.Tensor | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -95,6 +101,11 @@ class TritonAttnBackend(AttentionBackend):
         while k > 0 and ext[k - 1] == 1:
             k -= 1
         md.num_extend_reqs, md.num_extend_tokens = k, sum(ext[:k])
+        if k < len(ext):
+            md.decode_rows = batch.req_pool_indices[k:].clone()
+            md.decode_seq_lens = batch.seq_lens[k:].clone()
+            if num_kv_splits(len(ext) - k) == 1:
+                md.decode_order = torch.argsort(md.decode_seq_lens, descending=True)
         starts = [0]
         for n in ext[:-1]:
             starts.append(starts[-1] + n)
@@ -148,28 +159,29 @@ class TritonAttnBackend(AttentionBackend):
                 md.max_extend_len,
                 layer.scaling,
             )
-        self._decode_rows(q3[t:], k_buf, v_buf, layer, batch, k, out[t:])
+        self._decode_rows(q3[t:], k_buf, v_buf, layer, batch, out[t:])
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     @staticmethod
-    def _decode_rows(q3, k_buf, v_buf, layer, batch, first: int, out) -> None:
-        """Decode attention for the batch's requests from ``first`` on, one query each."""
+    def _decode_rows(q3, k_buf, v_buf, layer, batch, out) -> None:
+        """Decode attention for the batch's trailing one-token rows, one query each."""
         from loom.layers.attention.triton_ops import decode_attention
 
+        md: _Metadata = batch.attn_metadata
         bs = q3.shape[0]
-        splits = num_kv_splits(bs)
         decode_attention(
             q3,
             k_buf,
             v_buf,
             batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices[first:],
-            batch.seq_lens[first:],
+            md.decode_rows,
+            md.decode_seq_lens,
             layer.scaling,
-            splits,
+            num_kv_splits(bs),
             out=out,
             kv_per_program=min(kv_per_program(bs, k_buf.dtype), k_buf.shape[1]),
             prefetch=decode_prefetch(bs, k_buf.dtype),
+            order=md.decode_order,
         )
 
     @staticmethod
