@@ -528,3 +528,24 @@ def test_step_profile_counts_the_wait_for_the_inflight_decode_as_decode():
     sched.step()
     assert sched.stats.time_decode_s == 0.03
     assert 0.015 < sched.stats.time_prefill_s < 0.5
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_overlap_chains_mixed_steps_on_the_step_in_flight(prompts_ids, reference, chunk):
+    """--enable-mixed-chunk under overlap (forced on CPU, where the device is synchronous but
+    the code path is the same): prefill chunks that also decode the running requests launch on
+    the samples of the step in flight and go in flight themselves; greedy outputs equal
+    one-at-a-time generation, requests finishing at three different steps, and the pool
+    balances."""
+    with loom.Engine(
+        max_total_tokens=8192, enable_mixed_chunk=True, chunked_prefill_size=chunk
+    ) as e:
+        e.scheduler.overlap = True
+        params = [{**PARAMS, "max_new_tokens": 48 - 5 * (i % 3)} for i in range(len(reference))]
+        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
+        for out, ref, p in zip(outs, reference, params, strict=True):
+            assert out["output_ids"] == ref[: p["max_new_tokens"]]
+        st = e.scheduler.stats
+        assert st.num_mixed_batches > 0 and st.num_chained_mixed_batches > 0
+        assert st.num_overlapped_batches > 10
+        _assert_balanced(e)

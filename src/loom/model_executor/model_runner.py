@@ -281,22 +281,31 @@ class ModelRunner:
         extend_lens: list[int],
         lora_slots: list[int] | None = None,
         logit_indices: list[int] | None = None,
+        ids_from: tuple[torch.Tensor, list[int]] | None = None,
     ) -> torch.Tensor:
         """One prefill (extend) forward over requests' new tokens, concatenated: request ``i``
         (row ``req_pool_indices[i]`` of the req-to-token table, whose slots for these positions
         are written) computes ``extend_lens[i]`` tokens after its ``prefix_lens[i]`` cached
         ones. ``lora_slots``: each request's adapter slot (-1: none). The logits of each
-        request's last token, or of ``logit_indices``."""
+        request's last token, or of ``logit_indices``. ``ids_from``: the ids of the batch's last
+        tokens are still on the device, ``(tokens, rows)``: token ``-len(rows) + j`` is
+        ``tokens[rows[j]]`` (a mixed step's decoding rows, on the samples of the decode step in
+        flight; their entries in ``input_ids`` are ignored)."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         pool_idx = list(req_pool_indices)
         bs, n = len(pool_idx), len(input_ids)
         # One host-to-device copy: each token's id, position and request row, then the request
         # rows and sequence lengths; the tokens' KV slots are gathered from the table.
         token_rows = [r for r, e in zip(pool_idx, extend_lens, strict=True) for _ in range(e)]
+        src_rows = ids_from[1] if ids_from is not None else []
         packed = torch.tensor(
-            [*input_ids, *positions, *token_rows, *pool_idx, *seq_lens], dtype=torch.int64
+            [*input_ids, *positions, *token_rows, *pool_idx, *seq_lens, *src_rows],
+            dtype=torch.int64,
         ).to(self.device, non_blocking=True)
         ids, pos, rows = packed[: 3 * n].view(3, n).unbind(0)
+        if src_rows:
+            m = len(src_rows)
+            ids[n - m :] = ids_from[0].index_select(0, packed[3 * n + 2 * bs :])
         table = self.req_to_token_pool.req_to_token
         batch = ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -305,7 +314,7 @@ class ModelRunner:
             positions=pos,
             out_cache_loc=table[rows, pos],
             req_pool_indices=packed[3 * n : 3 * n + bs],
-            seq_lens=packed[3 * n + bs :],
+            seq_lens=packed[3 * n + bs : 3 * n + 2 * bs],
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=list(extend_lens),

@@ -97,13 +97,16 @@ class BatchSampler:
             self.penalties.release(req.penalty_row)
             req.penalty_row = None
 
-    def sample(self, logits: torch.Tensor, reqs: list, pending: int = 0) -> Sampled:
-        """Sampled ids on the device (no host sync); ``pending`` tokens per row are sampled but
-        not yet appended (overlap), which shifts output positions."""
+    def sample(self, logits: torch.Tensor, reqs: list, pending: int | list[int] = 0) -> Sampled:
+        """Sampled ids on the device (no host sync); ``pending`` tokens (per row, or the same for
+        every row) are sampled but not yet appended (overlap), which shifts output positions."""
         if not logits.is_contiguous():
             logits = logits.contiguous()
         params = [r.sampling_params for r in reqs]
-        out_lens = [len(r.output_ids) + pending for r in reqs]
+        if isinstance(pending, int):
+            out_lens = [len(r.output_ids) + pending for r in reqs]
+        else:
+            out_lens = [len(r.output_ids) + k for r, k in zip(reqs, pending, strict=True)]
         plan = self._plan(logits, reqs, params, out_lens)
         info = plan.info
         want_lp = plan.want_logprobs

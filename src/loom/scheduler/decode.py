@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -199,7 +200,8 @@ class DecodeManager:
         if chained:
             inflight = self.inflight
             id_rows = None
-            if len(reqs) != len(inflight.reqs):  # some finished since: their rows drop out
+            # some finished since (their rows drop out), or the rows come in another order
+            if len(reqs) != len(inflight.reqs) or not all(map(operator.is_, reqs, inflight.reqs)):
                 at = {id(r): i for i, r in enumerate(inflight.reqs)}
                 id_rows = [at[id(r)] for r in reqs]
             logits = self.runner.forward_decode(
@@ -231,6 +233,8 @@ class DecodeManager:
         tokens, lps = inflight.host_results(self.stats)
         if inflight.begin is not None:
             self._time_on_device(inflight)
+        else:  # a mixed step in flight (timed as prefill): the device's last work all the same
+            self._last_end = inflight.event
         outputs = self.apply(zip(inflight.reqs, tokens, lps, strict=True))
         self.drop_finished()
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)

@@ -39,7 +39,10 @@ class ExtendItem:
 
     @property
     def completes(self) -> bool:
-        return self.prefix_len + self.extend_len == self.req.seq_len
+        """Whether the step samples this request's next token: a decoding row always (chained
+        on a step in flight, its last token is not appended yet), a prompt with its last
+        chunk."""
+        return self.decode or self.prefix_len + self.extend_len == self.req.seq_len
 
 
 class PrefillManager:
@@ -286,10 +289,8 @@ class PrefillManager:
 
     def may_defer(self, items: list[ExtendItem]) -> bool:
         """Whether a prefill step's first tokens may be applied a step later (overlap): not when
-        it computes prompt logprobs, nor with ``--enable-mixed-chunk`` (the running requests
-        decode inside prefill steps and need their tokens applied)."""
-        if self.enable_mixed_chunk:
-            return False
+        it computes prompt logprobs. (With ``--enable-mixed-chunk`` such a step goes in flight
+        as a decode step instead, ``launch``.)"""
         return not any(it.req.wants_input_logprobs for it in items)
 
     # ---- the prefill step -----------------------------------------------------------------
@@ -317,14 +318,32 @@ class PrefillManager:
         self.decode.drop_finished()
         return outputs
 
-    def _forward(self, items: list[ExtendItem]) -> tuple[InflightStep | None, list[Req]]:
+    def launch(
+        self, items: list[ExtendItem], chained_on: InflightStep | None = None
+    ) -> InflightStep | None:
+        """Overlap for mixed steps: launch this step and return it in flight (the scheduler
+        resolves it a step later, as a decode step, and may chain the next step on its
+        samples); its requests that start decoding join the running batch now. ``chained_on``:
+        the decode step still running, whose samples on the device are the decoding rows'
+        ids."""
+        sampled, new = self._forward(items, chained_on=chained_on)
+        self.decode.running += [r for r in new if not r.is_finished]
+        if chained_on is not None:
+            self.stats.num_chained_mixed_batches += 1
+        return sampled
+
+    def _forward(
+        self, items: list[ExtendItem], chained_on: InflightStep | None = None
+    ) -> tuple[InflightStep | None, list[Req]]:
         """The prefill forward: its sampled first tokens (of the requests whose prompt it
-        completes) on their way to the host, and the requests that start decoding."""
+        completes) on their way to the host, and the requests that start decoding.
+        ``chained_on``: the decode step in flight whose samples are the decoding rows' ids
+        (``launch_chained``)."""
         self.stats.num_prefill_batches += 1
         input_ids, positions = [], []
         for it in items:
-            if it.decode:  # (its one token is its last output)
-                input_ids.append(it.req.output_ids[-1])
+            if it.decode:  # (its one token is its last output, or in flight)
+                input_ids.append(it.req.output_ids[-1] if chained_on is None else 0)
                 positions.append(it.prefix_len)
                 continue
             input_ids += it.req.fill_ids[it.prefix_len : it.prefix_len + it.extend_len]
@@ -341,6 +360,13 @@ class PrefillManager:
                 row += len(idx)
                 last_rows.append(row - 1)
                 offset += it.extend_len
+        ids_from = None
+        if chained_on is not None:
+            at = {id(r): i for i, r in enumerate(chained_on.reqs)}
+            rows = [at[id(it.req)] for it in items if it.decode]
+            # (mixed_decode_items appends the decoding rows after the prompts)
+            assert all(it.decode for it in items[len(items) - len(rows) :])
+            ids_from = (chained_on.tokens, rows) if rows else None
         begin = None
         if self._time_device:
             begin = torch.cuda.Event(enable_timing=True)
@@ -353,6 +379,7 @@ class PrefillManager:
             extend_lens=[it.extend_len for it in items],
             lora_slots=[r.lora_slot for r in reqs],
             logit_indices=logit_indices,
+            ids_from=ids_from,
         )
         if logit_indices is not None:
             self._input_logprobs(items, wants, logits, last_rows)
@@ -365,12 +392,20 @@ class PrefillManager:
             # Insert what was computed (a chunk, or the whole prompt) so that requests sharing
             # it can match it before this one finishes.
             self.cache.cache_unfinished(it.req)
-        done = [i for i, it in enumerate(items) if it.completes]
+        # Sampled rows in the running batch's order: the decoding rows (running's order), then
+        # the requests that start decoding (appended to running in this order), so that a
+        # decode step chained on this one finds its ids row for row.
+        done = [i for i, it in enumerate(items) if it.decode]
+        done += [i for i, it in enumerate(items) if not it.decode and it.completes]
         if not done:
             self._end_device_span(begin)
             return None, []
         done_reqs = [reqs[i] for i in done]
-        sampled = InflightStep.start(done_reqs, self.sampler.sample(logits[done], done_reqs))
+        # chained: a decoding row's token in flight is sampled but not yet appended
+        pending = [int(chained_on is not None and items[i].decode) for i in done]
+        sampled = InflightStep.start(
+            done_reqs, self.sampler.sample(logits[done], done_reqs, pending)
+        )
         self._end_device_span(begin)
         return sampled, [reqs[i] for i in done if not items[i].decode]
 

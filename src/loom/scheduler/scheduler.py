@@ -283,6 +283,18 @@ class Scheduler:
                 self.stats.num_overlapped_batches += 1
                 decode.inflight = nxt
                 return outputs
+            if self._can_chain_mixed():
+                items = prefill.schedule()
+                if items:
+                    # Overlap for --enable-mixed-chunk: launch the prefill chunk with the
+                    # running requests' next tokens on N's device-side samples, then bring N's
+                    # tokens to the host while the device works; the mixed step is the next
+                    # one in flight.
+                    items += prefill.mixed_decode_items()
+                    nxt = prefill.launch(items, chained_on=decode.inflight)
+                    outputs += decode.resolve(decode.inflight)
+                    decode.inflight = nxt
+                    return outputs
             t = time.perf_counter()
             outputs += decode.resolve(decode.inflight)
             self._tail_s = time.perf_counter() - t
@@ -303,9 +315,15 @@ class Scheduler:
             outputs += prefill.resolve(pending)
             self._prefill_tail_s = time.perf_counter() - t
         if items:
-            if self.args.enable_mixed_chunk and decode.running:
+            mixed = self.args.enable_mixed_chunk
+            if mixed and decode.running:
                 items += prefill.mixed_decode_items()
-            outputs += prefill.run(items, defer=self.overlap and prefill.may_defer(items))
+            defer = self.overlap and prefill.may_defer(items)
+            if mixed and defer:
+                # in flight as a decode step: the next step may chain on its samples
+                decode.inflight = prefill.launch(items)
+            else:
+                outputs += prefill.run(items, defer=defer)
         elif decode.running:
             decode.ensure_room(self._retract, lambda req: outputs.append(self._too_small(req)))
             if decode.running:
@@ -329,6 +347,21 @@ class Scheduler:
         if not self.decode.chainable():
             return False
         return not self.prefill.waiting or self.prefill.nothing_admissible()
+
+    def _can_chain_mixed(self) -> bool:
+        """Whether a mixed step can be launched on the samples of the decode (or mixed) step in
+        flight: mixed chunks under overlap, a prompt waits or is being chunked, the running
+        batch is that step's (``DecodeManager.chainable``), no running request needs its last
+        token on the host before sampling (grammars, logits processors), and no abort, grammar
+        compile or prefill in flight is pending."""
+        prefill, decode = self.prefill, self.decode
+        if not (self.overlap and prefill.enable_mixed_chunk) or self._aborts:
+            return False
+        if self.grammar_queue or prefill.inflight is not None:
+            return False
+        if not prefill.waiting and prefill.chunked_req is None:
+            return False
+        return decode.chainable() and not decode.host_before_sampling()
 
     def _retract(self, req: Req) -> None:
         self._free(req, cache=True)  # its KV stays reusable until evicted

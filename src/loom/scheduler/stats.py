@@ -51,6 +51,8 @@ class SchedulerStats:
     # prefill steps launched before the previous prefill's first tokens were applied
     num_overlapped_prefill_batches: int = 0
     num_mixed_batches: int = 0  # prefill batches that also decoded the running requests
+    # mixed batches launched on the samples of the decode step still in flight (overlap)
+    num_chained_mixed_batches: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
     num_decode_tokens: int = 0  # the decode batches' sizes, summed
