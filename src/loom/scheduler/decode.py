@@ -233,8 +233,8 @@ class DecodeManager:
         tokens, lps = inflight.host_results(self.stats)
         if inflight.begin is not None:
             self._time_on_device(inflight)
-        else:  # a mixed step in flight (timed as prefill): the device's last work all the same
-            self._last_end = inflight.event
+        else:  # a mixed step in flight (timed as prefill): no idle gap measured across it
+            self._last_end = None
         outputs = self.apply(zip(inflight.reqs, tokens, lps, strict=True))
         self.drop_finished()
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - 0.001)
