@@ -370,9 +370,10 @@ def test_scheduler_fused_penalties_equal_the_pytorch_path(tiny_dir, monkeypatch)
         [(0, 4)] + [(3 + 2 * i, 1) for i in range(34)],
     ],
 )
-def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout):
-    """The triton backend's extend batches whose trailing one-token rows take the decode
-    kernel give torch_native's logits for every token."""
+@pytest.mark.parametrize("backend", ["triton", "flash_attention"])
+def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout, backend):
+    """Extend batches whose trailing one-token rows take the decode kernel (the prompts before
+    them the backend's extend path) give torch_native's logits for every token."""
     from loom.config import ServerArgs
     from tests.test_llama_parity import bound_runner, extend_all_logits
 
@@ -390,6 +391,6 @@ def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout):
             layout,
             seqs,
         )
-        for b in ("triton", "torch_native")
+        for b in (backend, "torch_native")
     )
     assert (got - want).abs().max().item() < 1e-4

@@ -10,7 +10,9 @@ dispatches it to PyTorch's memory-efficient kernel (``is_causal`` alone is top-l
 wrong for a cached prefix, and cannot separate requests). Padded query rows are dropped from the
 output; padded keys read the padding page through slot 0 and are masked. Decode uses Loom's
 Triton split-KV kernel, which reads the paged pool directly and is CUDA-graph safe; PyTorch has
-no paged-KV flash kernel.
+no paged-KV flash kernel. It also takes an extend batch's trailing one-token rows (a mixed
+step's decoding requests), which would otherwise pad every request's query rows to the longest
+extend and its keys to the longest sequence.
 """
 
 from __future__ import annotations
@@ -40,15 +42,17 @@ class FlashAttentionBackend(TritonAttnBackend):
 
     def prepare_host(self, batch):
         md = super().prepare_host(batch)
-        if not batch.is_decode:
-            md.layout = self._layout(batch)
+        if not batch.is_decode and md.num_extend_reqs:
+            md.layout = self._layout(batch, md.num_extend_reqs)
         return md
 
     @staticmethod
-    def _layout(batch) -> _ExtendLayout:
+    def _layout(batch, k: int) -> _ExtendLayout:
+        """The padded layout of the batch's first ``k`` requests (the trailing one-token rows
+        after them take the decode kernel, ``TritonAttnBackend.forward_extend``)."""
         dev = batch.input_ids.device
-        prefix = torch.tensor(batch.extend_prefix_lens_cpu, dtype=torch.int64)
-        ext = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
+        prefix = torch.tensor(batch.extend_prefix_lens_cpu[:k], dtype=torch.int64)
+        ext = torch.tensor(batch.extend_seq_lens_cpu[:k], dtype=torch.int64)
         seq = prefix + ext
         max_ext, max_seq = int(ext.max()), int(seq.max())
         starts = torch.cumsum(ext, 0) - ext
@@ -61,7 +65,7 @@ class FlashAttentionBackend(TritonAttnBackend):
         ).unsqueeze(1)  # [bs, max_ext, max_seq]
         mask &= q_valid.unsqueeze(2) | (j == 0).unsqueeze(1)  # padded rows: key 0 (no NaN)
         table = batch.req_to_token_pool.req_to_token
-        rows = batch.req_pool_indices
+        rows = batch.req_pool_indices[:k]
         kv_slots = table.index_select(0, rows)[:, :max_seq]
         kv_slots = kv_slots.masked_fill(~(j < seq.unsqueeze(1)).to(dev), 0)
         return _ExtendLayout(
@@ -72,6 +76,22 @@ class FlashAttentionBackend(TritonAttnBackend):
         )
 
     def forward_extend(self, q, layer, batch):
+        md = batch.attn_metadata
+        k, t = md.num_extend_reqs, md.num_extend_tokens
+        if k == batch.batch_size:
+            return self._sdpa_extend(q, layer, batch)
+        heads, dim = layer.num_heads, layer.head_dim
+        out = torch.empty(q.shape[0], heads * dim, dtype=q.dtype, device=q.device)
+        if k:
+            out[:t] = self._sdpa_extend(q[:t], layer, batch)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        self._decode_rows(
+            q[t:].view(-1, heads, dim), k_buf, v_buf, layer, batch, out[t:].view(-1, heads, dim)
+        )
+        return out
+
+    def _sdpa_extend(self, q, layer, batch):
+        """One SDPA call over the requests of the layout (all but trailing one-token rows)."""
         lay: _ExtendLayout = batch.attn_metadata.layout
         pool = batch.kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
