@@ -297,6 +297,18 @@ def test_max_new_tokens_zero(engine, prompts_ids):
     assert out["output_ids"] == [] and out["text"] == ""
 
 
+def _overlapped_run_matches_reference(e, prompts_ids, reference):
+    """With overlap forced on (on CPU the device is synchronous, but the overlap code path runs
+    all the same), the prompts generate their reference tokens, requests finishing by length
+    at three different steps; the scheduler's counters after."""
+    e.scheduler.overlap = True
+    params = [{**PARAMS, "max_new_tokens": 48 - 5 * (i % 3)} for i in range(len(reference))]
+    outs = e.generate(input_ids=prompts_ids, sampling_params=params)
+    for out, ref, p in zip(outs, reference, params, strict=True):
+        assert out["output_ids"] == ref[: p["max_new_tokens"]]
+    return e.scheduler.stats
+
+
 @pytest.mark.parametrize("tight_kv", [False, True], ids=["roomy", "retracting"])
 def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
     # On CPU the device is synchronous, but the overlap code path (launch N+1 on N's tokens,
@@ -305,12 +317,7 @@ def test_overlap_schedule_keeps_outputs(prompts_ids, reference, tight_kv):
     with loom.Engine(
         max_total_tokens=total, schedule_conservativeness=0.0 if tight_kv else 1.0
     ) as e:
-        e.scheduler.overlap = True
-        params = [{**PARAMS, "max_new_tokens": 48 - 5 * (i % 3)} for i in range(len(reference))]
-        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
-        for out, ref, p in zip(outs, reference, params, strict=True):
-            assert out["output_ids"] == ref[: p["max_new_tokens"]]
-        st = e.scheduler.stats
+        st = _overlapped_run_matches_reference(e, prompts_ids, reference)
         assert st.num_overlapped_batches > 10  # the chained path ran
         if tight_kv:
             assert st.num_retractions > 0
@@ -540,12 +547,7 @@ def test_overlap_chains_mixed_steps_on_the_step_in_flight(prompts_ids, reference
     with loom.Engine(
         max_total_tokens=8192, enable_mixed_chunk=True, chunked_prefill_size=chunk
     ) as e:
-        e.scheduler.overlap = True
-        params = [{**PARAMS, "max_new_tokens": 48 - 5 * (i % 3)} for i in range(len(reference))]
-        outs = e.generate(input_ids=prompts_ids, sampling_params=params)
-        for out, ref, p in zip(outs, reference, params, strict=True):
-            assert out["output_ids"] == ref[: p["max_new_tokens"]]
-        st = e.scheduler.stats
+        st = _overlapped_run_matches_reference(e, prompts_ids, reference)
         assert st.num_mixed_batches > 0 and st.num_chained_mixed_batches > 0
         assert st.num_overlapped_batches > 10
         _assert_balanced(e)
