@@ -14,7 +14,7 @@
 #   compare SHAPE   offline, then one server (--incremental-streaming-output): /generate from 4
 #                   workers with --scaling-check (8), /v1/completions and /v1/chat/completions
 #                   from 4, /generate from 1 worker; then a server with --enable-mixed-chunk
-#                   --chunked-prefill-size 512 under Poisson arrivals at 80% of the offline
+#                   --chunked-prefill-size 128 under Poisson arrivals at 80% of the offline
 #                   request rate
 #   targets SHAPE   the targets alone: offline, /generate and /v1/completions from 4
 #                   workers, and the Poisson run on the mixed-chunk server
@@ -72,8 +72,8 @@ offline_rate() {  # the offline run, then the request rate that keeps the engine
   rate=$($py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]['loom']; print(round(0.8 * r['output_tokens_per_s'] / 256, 1))" "$out/results.jsonl")
 }
 rate_run() {  # latency at $rate: prefill chunks share steps with decoding
-  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
-  client "generate x4 rate $rate mixed-chunk 512" --num-workers 4 --request-rate "$rate"
+  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 128 || exit 1
+  client "generate x4 rate $rate mixed-chunk 128" --num-workers 4 --request-rate "$rate"
   stop
 }
 
@@ -98,8 +98,8 @@ targets)
   ;;
 rate)  # SHAPE RATE [FLAGS]: rate_run at RATE requests per second, FLAGS passed to the client
   rate=${4:?usage: bash $0 OUTDIR rate SHAPE RATE [FLAGS]}
-  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 512 || exit 1
-  client "generate x4 rate $rate mixed-chunk 512 ${*:5}" --num-workers 4 --request-rate "$rate" "${@:5}"
+  serve src --incremental-streaming-output --enable-mixed-chunk --chunked-prefill-size 256 || exit 1
+  client "generate x4 rate $rate mixed-chunk 256 ${*:5}" --num-workers 4 --request-rate "$rate" "${@:5}"
   stop
   ;;
 rates)  # SHAPE "SERVER_FLAGS" N RATE...

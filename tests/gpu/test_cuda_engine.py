@@ -610,18 +610,36 @@ def test_piecewise_extend_graphs_match_eager_extend(tiny_dir, backend):
         assert (got - want).abs().max().item() < 1e-4, layout
 
 
+def _assert_greedy_equal_up_to_near_ties(got: list[dict], want: list[dict], tol: float) -> None:
+    """Greedy outputs of two runs whose batches differ (so do their kernels' float sums): equal,
+    or first apart where the reference's two candidates are within ``tol`` in logprob (a
+    near-tie that a last-bit difference may flip; past it the sequences owe nothing). A wrong
+    input id or KV slot shows as a divergence at a clear winner."""
+    for g, w in zip(got, want, strict=True):
+        a, b = g["output_ids"], w["output_ids"]
+        if a == b:
+            continue
+        j = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        top = {t: lp for lp, t, _ in w["meta_info"]["output_top_logprobs"][j]}
+        assert a[j] in top and top[b[j]] - top[a[j]] < tol, (j, a[j], b[j], top)
+
+
 def test_mixed_steps_chained_under_overlap_match_unoverlapped(tiny_dir):
     """--enable-mixed-chunk on CUDA with overlap: prefill chunks that decode the running
     requests launch on the samples of the step in flight (and decode steps chain on them);
-    greedy tokens equal the same engine's without overlap, and the pool balances."""
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,)).tolist() for n in (5, 33, 80, 120, 7)]
+    greedy tokens equal the same engine's without overlap (up to near-ties), and the pool
+    balances."""
+    gen = torch.Generator().manual_seed(0)
+    lens = (5, 33, 80, 120, 7)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in lens]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    logprobs = {"return_logprob": True, "top_logprobs_num": 2}
     kw = _cuda_kw(tiny_dir, "float32", enable_mixed_chunk=True, chunked_prefill_size=16)
     with loom.Engine(disable_overlap_schedule=True, **kw) as e:
-        want = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+        want = e.generate(input_ids=prompts, sampling_params=params, **logprobs)
     with loom.Engine(**kw) as e:
-        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+        got = e.generate(input_ids=prompts, sampling_params=params, **logprobs)
         st = e.scheduler.stats
         assert st.num_chained_mixed_batches > 0 and st.num_overlapped_batches > 0
         e.scheduler.check_kv_balance()
-    assert got == want
+    _assert_greedy_equal_up_to_near_ties(got, want, tol=1e-3)
