@@ -6,6 +6,12 @@ from __future__ import annotations
 BUILTINS: dict[str, dict[str, str]] = {
     "model": {
         "LlamaForCausalLM": "loom.models.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "loom.models.mistral:MistralForCausalLM",
+        "Qwen2ForCausalLM": "loom.models.qwen2:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": "loom.models.qwen3:Qwen3ForCausalLM",
+        "Phi3ForCausalLM": "loom.models.phi3:Phi3ForCausalLM",
+        "Gemma2ForCausalLM": "loom.models.gemma:Gemma2ForCausalLM",
+        "Gemma3ForCausalLM": "loom.models.gemma:Gemma3ForCausalLM",
     },
     "attention_backend": {
         "torch_native": "loom.layers.attention.torch_native:TorchNativeAttnBackend",

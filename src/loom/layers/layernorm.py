@@ -26,3 +26,26 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores ``w`` and the norm scales by ``1 + w``, multiplied
+    in fp32 before rounding (Llama's rounds the normalised value first). The fused CUDA kernel
+    takes ``1 + w`` in the model's dtype, so on GPUs the two roundings may differ by an ulp."""
+
+    def process_weights_after_loading(self) -> None:
+        self._scale = (1.0 + self.weight.detach().float()).to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_fused(x):
+            scale = getattr(self, "_scale", None)
+            if scale is None:
+                scale = (1.0 + self.weight.float()).to(self.weight.dtype)
+            return add_rmsnorm(x, residual, scale, self.eps)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -17,7 +17,7 @@ from loom import plugins
 from loom.config import device_defaults
 from loom.distributed import get_tp_size
 from loom.forward_batch import ForwardBatch, ForwardMode
-from loom.layers.attention.base import AttentionBackend, AttentionContext
+from loom.layers.attention.base import AttentionBackend, AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from loom.model_loader.base import DeviceConfig, ModelConfig
 from loom.model_loader.model_path import resolve_model_path
@@ -194,6 +194,7 @@ class ModelRunner:
             device=self.device,
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
+            features=attention_features(self.model),
         )
         built: dict[str, AttentionBackend] = {}  # one instance per name, shared by phases
         prefill = args.prefill_attention_backend or args.attention_backend
@@ -234,7 +235,8 @@ class ModelRunner:
         for _, candidate in sorted(ranked):
             if self._try_attention_backend(candidate, phase, ctx, built):
                 return candidate
-        raise ValueError(f"no attention backend supports {self.device} / {self.dtype}")
+        needs = f" with {', '.join(sorted(ctx.features))}" if ctx.features else ""
+        raise ValueError(f"no attention backend supports {self.device} / {self.dtype}{needs}")
 
     def _try_attention_backend(self, name: str, phase: str, ctx, built: dict) -> bool:
         """Whether ``name`` can serve here, for ``auto``: registered, supporting the device and

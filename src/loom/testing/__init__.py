@@ -17,19 +17,22 @@ from loom.testing.grammar_backend import check_grammar_backend
 from loom.testing.hicache_storage import check_hicache_storage
 from loom.testing.logits_processor import check_logits_processor
 from loom.testing.lora_eviction_policy import check_lora_eviction_policy
-from loom.testing.model import check_model
+from loom.testing.model import TINY_ARCHITECTURES, check_model, check_model_engine, tiny_config
 from loom.testing.model_loader import check_model_loader
 from loom.testing.radix_eviction_policy import check_radix_eviction_policy
 from loom.testing.schedule_policy import check_schedule_policy
 
 __all__ = [
+    "TINY_ARCHITECTURES",
     "check_attention_backend",
     "check_grammar_backend",
     "check_hicache_storage",
     "check_logits_processor",
     "check_lora_eviction_policy",
     "check_model",
+    "check_model_engine",
     "check_model_loader",
     "check_radix_eviction_policy",
     "check_schedule_policy",
+    "tiny_config",
 ]

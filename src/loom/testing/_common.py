@@ -121,7 +121,7 @@ class PagedForward:
         num_tokens: int = 1024,
         max_context: int = 256,
     ) -> None:
-        from loom.layers.attention.base import AttentionContext
+        from loom.layers.attention.base import AttentionContext, attention_features
         from loom.mem_cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
 
         self.model, self.device = model, device
@@ -131,7 +131,14 @@ class PagedForward:
         self.alloc = PageAllocator(num_tokens, 1)
         random.Random(seed).shuffle(self.alloc._free)
         ctx = AttentionContext(
-            hf_config.num_attention_heads, kv_heads, head_dim, dtype, device, self.pool, self.table
+            hf_config.num_attention_heads,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
+            self.pool,
+            self.table,
+            attention_features(model),
         )
         self.backend = plugins.resolve("attention_backend", attention_backend)(ctx)
 

@@ -14,13 +14,56 @@ from torch import nn
 from loom import plugins
 from loom.model_loader.base import default_dtype
 from loom.testing._common import (
+    TINY_LLAMA,
     PagedForward,
     hf_logits,
     poisoned_parameters,
     read_safetensors,
+    save_tiny_llama,
     tiny_llama_config,
     unwritten_parameters,
 )
+
+# Each built-in architecture's HF model type and what its tiny config sets beyond TINY_LLAMA:
+# sliding windows shorter than the kit's prompts and small soft-caps, so that they bind.
+TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "LlamaForCausalLM": ("llama", {}),
+    "MistralForCausalLM": ("mistral", {"sliding_window": 8, "head_dim": 16}),
+    "Qwen2ForCausalLM": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "Qwen3ForCausalLM": ("qwen3", {"head_dim": 32}),
+    "Phi3ForCausalLM": ("phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    "Gemma2ForCausalLM": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "Gemma3ForCausalLM": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+}
+
+
+def tiny_config(architecture: str, **overrides: Any) -> Any:
+    """A tiny HF config (2 layers, grouped-query attention) of a built-in architecture."""
+    from transformers import AutoConfig
+
+    model_type, extra = TINY_ARCHITECTURES[architecture]
+    kw = {**TINY_LLAMA, **extra, **overrides}
+    return AutoConfig.for_model(model_type, architectures=[architecture], **kw)
 
 
 def _close(name: str, what: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
@@ -186,3 +229,64 @@ def check_model(
     assert not unwritten, f"{name}: load_weights never wrote {unwritten[:4]}"
     m = process_weights_after_loading(m)
     compare_forwards(name, m, config, hf, device, torch.float32, atol, seed, attention_backend)
+
+
+def _hf_greedy(hf: nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            # An explicit mask: else HF masks every prompt token equal to pad_token_id.
+            y = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        out.append(y[0, len(ids) :].tolist())
+    return out
+
+
+def check_model_engine(
+    hf_config: Any,
+    prompt_lens: tuple[int, ...] = (5, 19, 26, 40),
+    max_new_tokens: int = 32,
+    seed: int = 0,
+) -> None:
+    """The engine on a saved checkpoint of ``hf_config`` (HF's random model, seeded) against
+    transformers' greedy ``generate`` of the same weights, fp32 on CPU: ``max_new_tokens``
+    greedy tokens of each prompt equal HF's when each runs alone, when all run batched
+    together, and through 8-token prefill chunks in a pool so small that requests are retracted
+    and recomputed (which must happen). Prompts should be longer than any sliding window."""
+    import loom
+
+    rng = random.Random(seed)
+    vocab = hf_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in prompt_lens]
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    name = hf_config.architectures[0]
+    with tempfile.TemporaryDirectory(prefix="loom-kit-engine-") as tmp:
+        hf = save_tiny_llama(tmp, hf_config, seed)
+        want = _hf_greedy(hf, prompts, max_new_tokens)
+        kw = dict(model=tmp, device="cpu", dtype="float32", skip_tokenizer_init=True)
+        with loom.Engine(max_total_tokens=4096, **kw) as e:
+            alone = [e.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+            batched = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+        # room for the longest request and a little more: the others must wait or be retracted
+        pool = max(prompt_lens) + max_new_tokens + 24
+        with loom.Engine(
+            max_total_tokens=pool, chunked_prefill_size=8, schedule_conservativeness=0.0, **kw
+        ) as e:
+            chunked = [
+                o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)
+            ]
+            retractions = e.scheduler.stats.num_retractions
+            e.scheduler.check_kv_balance()
+    for what, got in (("alone", alone), ("batched", batched), ("chunked, retracted", chunked)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"{name}: prompt {i} ({what}): greedy tokens {g} differ from HF's {w}"
+    assert retractions > 0, f"{name}: the small pool retracted nothing"

@@ -13,6 +13,11 @@ Then each attention layer calls ``forward``, which writes the new tokens' K/V in
 ``q``/``k``/``v`` are ``[num_tokens, heads * head_dim]``; the output is ``[num_tokens,
 num_heads * head_dim]``. A backend must give the same result as ``torch_native`` (the oracle),
 within the dtype's tolerance.
+
+Layers may ask for more than causal attention (``Attention.sliding_window``,
+``Attention.logit_cap``); the runner lists what a model's layers use in
+``AttentionContext.features``, and a backend whose kernels lack one of them raises ValueError
+from its constructor (``--attention-backend auto`` then takes the next backend).
 """
 
 from __future__ import annotations
@@ -40,16 +45,42 @@ class AttentionContext:
     device: torch.device
     kv_pool: KVPool
     req_to_token_pool: ReqToTokenPool
+    # what the model's layers use beyond causal attention: "sliding_window", "logit_cap"
+    features: frozenset[str] = frozenset()
+
+
+ATTENTION_FEATURES = ("sliding_window", "logit_cap")
+
+
+def attention_features(model: torch.nn.Module) -> frozenset[str]:
+    """The features of :data:`ATTENTION_FEATURES` that ``model``'s attention layers use."""
+    from loom.layers.attention.layer import Attention
+
+    used = set()
+    for m in model.modules():
+        if isinstance(m, Attention):
+            if m.sliding_window:
+                used.add("sliding_window")
+            if m.logit_cap:
+                used.add("logit_cap")
+    return frozenset(used)
 
 
 class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
+    # the entries of ATTENTION_FEATURES this backend's kernels implement
+    features: frozenset[str] = frozenset()
     # True when metadata must be planned on the host for every step (e.g. FlashInfer): the CUDA
     # graph runner then calls ``init_forward_metadata`` outside the graph, before capture and
     # before each replay (with ``batch.graph_bs`` set), and captures only the layers' kernels.
     plans_on_host: bool = False
 
     def __init__(self, ctx: AttentionContext) -> None:
+        lacking = sorted(ctx.features - self.features)
+        if lacking:
+            raise ValueError(
+                f"{type(self).__name__} does not implement attention with {', '.join(lacking)}"
+            )
         self.ctx = ctx
 
     @classmethod

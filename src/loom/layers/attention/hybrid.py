@@ -17,6 +17,7 @@ from loom.layers.attention.base import AttentionBackend
 
 class HybridAttnBackend(AttentionBackend):
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        self.features = prefill.features & decode.features
         super().__init__(decode.ctx)
         self.prefill_backend = prefill
         self.decode_backend = decode
