@@ -62,18 +62,6 @@ def _act_name(config: Any) -> str:
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
-def _rope_for(config: Any, kind: str) -> tuple[float, dict[str, Any] | None]:
-    """Rotary (theta, scaling) of a layer type: Gemma 3's ``rope_parameters`` hold one entry per
-    layer type, other configs one for all layers."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and isinstance(params.get(kind), dict):
-        view = type("RopeView", (), {})()
-        view.__dict__.update(config.to_dict())
-        view.rope_parameters = params[kind]
-        return rope_params(view)
-    return rope_params(config)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one projection."""
 
@@ -113,7 +101,7 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         kind = layer_type(config, layer_id)
-        theta, scaling = _rope_for(config, kind)
+        theta, scaling = rope_params(config, kind)
         rotary = getattr(config, "partial_rotary_factor", None)
         if rotary is None and isinstance(getattr(config, "rope_parameters", None), dict):
             rotary = config.rope_parameters.get("partial_rotary_factor")
