@@ -7,15 +7,17 @@ import torch
 
 from loom import plugins
 from loom.testing import (
+    TINY_ARCHITECTURES,
     check_attention_backend,
     check_logits_processor,
     check_lora_eviction_policy,
     check_model,
+    check_model_engine,
     check_model_loader,
     check_radix_eviction_policy,
     check_schedule_policy,
+    tiny_config,
 )
-from tests.conftest import TINY_LLAMA
 
 
 def _available(family: str) -> list[str]:
@@ -29,6 +31,47 @@ def test_attention_backend_kit(name, page_size):
     if not cls.is_supported(torch.device("cpu")):
         pytest.skip(f"{name} does not run on CPU")
     check_attention_backend(name, page_size=page_size)
+
+
+# sliding windows and logit soft caps (the kit's sequences run to 65 tokens, its cached
+# prefixes to 40): a window inside the prefixes, one past every sequence, a cap alone, both
+_WINDOW_AND_CAP = {
+    "window-8": dict(sliding_window=8),
+    "window-100": dict(sliding_window=100),
+    "cap": dict(logit_cap=2.0),
+    "window-8-cap": dict(sliding_window=8, logit_cap=2.0),
+}
+
+
+@pytest.mark.parametrize("case", list(_WINDOW_AND_CAP))
+@pytest.mark.parametrize("name", _available("attention_backend"))
+def test_attention_backend_kit_with_window_and_cap(name, case):
+    """Every backend declaring sliding windows / logit caps in ``features`` passes the kit with
+    them (on CPU: torch_native, and Triton's kernels under the interpreter)."""
+    cls = plugins.resolve("attention_backend", name)
+    if not cls.is_supported(torch.device("cpu")):
+        pytest.skip(f"{name} does not run on CPU")
+    kw = _WINDOW_AND_CAP[case]
+    needs = set(kw)  # the keywords are the features' names
+    if not needs <= cls.features:
+        pytest.skip(f"{name} does not declare {sorted(needs - cls.features)}")
+    check_attention_backend(name, page_size=4, **kw)
+
+
+def test_a_backend_without_a_feature_is_refused():
+    """A backend whose ``features`` lack what the model's layers use raises ValueError from its
+    constructor (so ``--attention-backend auto`` takes the next one)."""
+    from loom.layers.attention.torch_native import TorchNativeAttnBackend
+
+    class Plain(TorchNativeAttnBackend):
+        features = frozenset()
+
+    plugins.register("attention_backend", "plain_for_test", Plain)
+    try:
+        with pytest.raises(ValueError, match="sliding_window"):
+            check_attention_backend("plain_for_test", sliding_window=8)
+    finally:
+        plugins.unregister("attention_backend", "plain_for_test")
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -57,6 +100,11 @@ def test_attention_backend_kit_cuda(name):
         check_attention_backend(
             name, device="cuda", dtype=torch.bfloat16, head_dim=64, kv_dtype=torch.float8_e4m3fn
         )
+    for kw in _WINDOW_AND_CAP.values():
+        if set(kw) <= cls.features:
+            check_attention_backend(
+                name, device="cuda", dtype=torch.bfloat16, page_size=16, head_dim=64, **kw
+            )
 
 
 @pytest.mark.parametrize("name", _available("schedule_policy"))
@@ -82,14 +130,16 @@ def test_logits_processor_kit(name):
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", _available("model"))
 def test_model_kit(name, tie):
-    from transformers import LlamaConfig
-
-    if name != "LlamaForCausalLM":  # the kit's default config is a Llama's
+    if name not in TINY_ARCHITECTURES:  # an out-of-tree member brings its own config
         pytest.skip(f"{name} needs its own config")
-    config = LlamaConfig(
-        **TINY_LLAMA, initializer_range=0.2, tie_word_embeddings=tie, architectures=[name]
-    )
-    check_model(name, hf_config=config)
+    check_model(name, hf_config=tiny_config(name, tie_word_embeddings=tie))
+
+
+@pytest.mark.parametrize("name", sorted(TINY_ARCHITECTURES))
+def test_model_engine_kit(name):
+    """Greedy tokens through the engine equal HF's: alone, batched, chunked and retracted, on
+    prompts longer than the tiny configs' sliding windows, with soft-caps binding."""
+    check_model_engine(tiny_config(name), model_impl="loom")
 
 
 def _loader_kit_args(name, request):
@@ -115,7 +165,7 @@ def test_kit_catches_a_wrong_attention_backend():
         def forward_extend(self, q, layer, batch):
             for item in batch.attn_metadata.extend:
                 item.kv_indices = item.kv_indices[-item.q_len :]
-                item.mask = None
+                item.prefix_len = 0
             return super().forward_extend(q, layer, batch)
 
     plugins.register("attention_backend", "wrong_for_test", Wrong)

@@ -394,3 +394,152 @@ def test_mixed_extend_batches_equal_torch_native(tiny_dir, layout, backend):
         for b in (backend, "torch_native")
     )
     assert (got - want).abs().max().item() < 1e-4
+
+
+def _dense_window_attention(q, k, v, q_pos, scale, window, cap):
+    """q ``[heads, d]`` at position ``q_pos``; k / v ``[n, heads, d]`` at positions 0..n-1."""
+    s = torch.einsum("hd,nhd->hn", q.float(), k.float()) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    pos = torch.arange(k.shape[0])
+    s = s.masked_fill(~((pos <= q_pos) & (pos > q_pos - window if window else True)), -torch.inf)
+    return torch.einsum("hn,nhd->hd", s.softmax(-1), v.float())
+
+
+@pytest.mark.parametrize(
+    "use_dot,kvp,splits,cap",
+    [(False, 1, 4, 0.0), (True, 2, 4, 2.0), (True, 1, 1, 0.0), (False, 2, 1, 2.0)],
+)
+def test_decode_kernel_with_a_window_reads_only_the_window(use_dot, kvp, splits, cap):
+    """Decode with a sliding window over long contexts (and a soft cap): every key outside the
+    window is NaN in the pool, so a kernel that read it (even to mask it) would return NaN; the
+    result equals dense attention over the window, split or not, one or two KV heads a
+    program, for a context shorter than the window too."""
+    from loom.layers.attention.triton_ops import decode_attention
+
+    gen = torch.Generator().manual_seed(splits)
+    kv_heads, group, head_dim, window = 2, 2, 16, 24
+    seq_lens = [5, 300, 1000]
+    slots = sum(seq_lens) + 1
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    table = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    perm, used = torch.randperm(slots - 1, generator=gen) + 1, 0
+    for r, n in enumerate(seq_lens):
+        table[r, :n] = perm[used : used + n]
+        used += n
+        outside = table[r, : max(n - window, 0)]
+        k_buf[outside], v_buf[outside] = torch.nan, torch.nan
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    out = decode_attention(
+        *(t.to(dev) for t in (q, k_buf, v_buf, table, torch.arange(len(seq_lens)))),
+        torch.tensor(seq_lens, device=dev), scale, splits, use_dot=use_dot, kv_per_program=kvp,
+        order=torch.tensor([2, 0, 1], device=dev) if splits == 1 else None, window=window,
+        logit_cap=cap,
+    ).cpu()  # fmt: skip
+    for r, n in enumerate(seq_lens):
+        lo = max(n - window, 0)
+        idx = table[r, lo:n]
+        k = k_buf[idx].repeat_interleave(group, dim=1)
+        v = v_buf[idx].repeat_interleave(group, dim=1)
+        want = _dense_window_attention(q[r], k, v, n - 1 - lo, scale, window, cap)
+        torch.testing.assert_close(out[r], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cap", [0.0, 2.0])
+def test_extend_kernel_with_a_window_reads_only_the_window(cap):
+    """Extend after a long cached prefix with a sliding window (and a soft cap): the keys
+    before the first query's window are NaN in the pool and never read; every query (two query
+    blocks of a request, and a request without a prefix whose window spans it all) equals
+    dense attention over its own window."""
+    from loom.layers.attention.triton_ops import extend_attention
+
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, group, head_dim, window = 2, 2, 16, 12
+    prefix_lens, extend_lens = [400, 0], [40, 9]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    slots = sum(seq_lens) + 1
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    table = torch.zeros(2, max(seq_lens), dtype=torch.int64)
+    perm, used = torch.randperm(slots - 1, generator=gen) + 1, 0
+    for r, (n, p) in enumerate(zip(seq_lens, prefix_lens, strict=True)):
+        table[r, :n] = perm[used : used + n]
+        used += n
+        outside = table[r, : max(p - window + 1, 0)]
+        k_buf[outside], v_buf[outside] = torch.nan, torch.nan
+    q = torch.randn(sum(extend_lens), kv_heads * group, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    i64 = dict(dtype=torch.int64, device=dev)
+    out = extend_attention(
+        *(t.to(dev) for t in (q, k_buf, v_buf, table, torch.arange(2))),
+        torch.tensor([0, extend_lens[0]], **i64), torch.tensor(extend_lens, **i64),
+        torch.tensor(prefix_lens, **i64), max(extend_lens), scale, window=window, logit_cap=cap,
+    ).cpu()  # fmt: skip
+    start = 0
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        for i in range(e):
+            pos = p + i
+            lo = max(pos - window + 1, 0)
+            idx = table[r, lo : pos + 1]
+            k = k_buf[idx].repeat_interleave(group, dim=1)
+            v = v_buf[idx].repeat_interleave(group, dim=1)
+            want = _dense_window_attention(q[start + i], k, v, pos - lo, scale, window, cap)
+            torch.testing.assert_close(out[start + i], want, rtol=1e-4, atol=1e-4)
+        start += e
+
+
+def test_mixed_extend_batch_with_per_layer_windows_and_caps_equals_torch_native(tiny_dir):
+    """flash_attention over a tiny Llama whose layers differ as Gemma 2's do (layer 0: a sliding
+    window of 4, shorter than the cached prefix, and a soft cap, which take the Triton kernels;
+    layer 1: plain, on SDPA; set on the built model's layers): an extend batch of a prompt, a
+    prompt after a cached prefix and a trailing one-token row (which takes the decode kernel)
+    gives torch_native's logits for every token."""
+    from loom.config import ServerArgs
+    from loom.layers.attention.layer import Attention
+    from tests.test_llama_parity import bound_runner, extend_all_logits
+
+    layout = [(0, 9), (12, 7), (30, 1)]
+    seqs = [
+        torch.randint(0, 256, (p + e,), generator=torch.Generator().manual_seed(i)).tolist()
+        for i, (p, e) in enumerate(layout)
+    ]
+    logits = []
+    for b in ("flash_attention", "torch_native"):
+        runner, cache = bound_runner(
+            ServerArgs(model=tiny_dir, max_total_tokens=4096, dtype="float32", attention_backend=b)
+        )
+        layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+        assert len(layers) == 2
+        layers[0].sliding_window, layers[0].logit_cap = 4, 3.0
+        logits.append(extend_all_logits(runner, cache, layout, seqs))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "backend,architecture",
+    [("triton", "Gemma2ForCausalLM"), ("flash_attention", "Gemma3ForCausalLM")],
+)
+def test_model_kit_with_windows_and_caps(backend, architecture):
+    """The model kit (logits against HF transformers' over extend and decode batches on a paged
+    pool) on the Triton kernels: Gemma 2 (a local layer with a window shorter than the prompts,
+    a global one, soft caps on both), and Gemma 3 (local and global layers, no cap: under
+    flash_attention its global layer takes SDPA and its local one the Triton kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    from loom.testing.model import check_model, tiny_config
+
+    def eager_hf(config):  # HF's own soft-capping path (its SDPA one may drop the cap)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    check_model(
+        architecture,
+        hf_config=tiny_config(architecture),
+        reference=eager_hf,
+        device=device,
+        attention_backend=backend,
+    )

@@ -12,6 +12,9 @@ BUILTINS: dict[str, dict[str, str]] = {
         "Phi3ForCausalLM": "loom.models.phi3:Phi3ForCausalLM",
         "Gemma2ForCausalLM": "loom.models.gemma:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "loom.models.gemma:Gemma3ForCausalLM",
+        "MixtralForCausalLM": "loom.models.mixtral:MixtralForCausalLM",
+        "Qwen2MoeForCausalLM": "loom.models.qwen_moe:Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM": "loom.models.qwen_moe:Qwen3MoeForCausalLM",
     },
     "attention_backend": {
         "torch_native": "loom.layers.attention.torch_native:TorchNativeAttnBackend",

@@ -61,6 +61,16 @@ class ModelArgs:
     load_format: str = field(
         default="auto", metadata=_arg("How to load weights.", family="model_loader")
     )
+    model_impl: str = field(
+        default="auto",
+        metadata=_arg(
+            "Which code runs the model: loom (Loom's own implementation of the architecture; "
+            "refuses one Loom does not implement), transformers (transformers' modeling code "
+            "with Loom's paged attention plugged in; one device, no tensor parallelism), auto "
+            "(Loom's when it implements the architecture, else transformers').",
+            choices=("auto", "loom", "transformers"),
+        ),
+    )
     skip_tokenizer_init: bool = field(
         default=False,
         metadata=_arg("Load no tokenizer: requests must pass input_ids and get output_ids only."),

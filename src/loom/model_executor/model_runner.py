@@ -80,6 +80,7 @@ class ModelRunner:
             context_len=args.context_length or model_context,
             architecture=archs[0],
             seed=args.random_seed,
+            model_impl=args.model_impl,
         )
         self.vocab_size = hf_config.vocab_size
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))

@@ -4,7 +4,9 @@ model with weights."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
+import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -12,6 +14,13 @@ from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MODEL_IMPLS = ("auto", "loom", "transformers")
+# The transformers fallback, imported lazily as the registry imports its members: the loaders
+# sit below the models.
+TRANSFORMERS_FALLBACK = "loom.models.transformers_fallback:TransformersForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,7 @@ class ModelConfig:
     context_len: int
     architecture: str
     seed: int = 0
+    model_impl: str = "auto"  # --model-impl: see resolve_model_class
 
 
 @dataclass(frozen=True)
@@ -86,11 +96,34 @@ def process_weights_after_loading(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def build_model(model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
-    """Instantiate the registered class for the architecture, uninitialised, on the device."""
+def resolve_model_class(architecture: str, model_impl: str = "auto") -> type:
+    """The class that builds ``architecture``: with ``auto``, the model family's member of that
+    name when one is registered, else the transformers fallback; ``loom`` only the former
+    (refusing an architecture Loom does not implement); ``transformers`` always the fallback."""
     from loom import plugins
 
-    cls = plugins.resolve("model", model_config.architecture)
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    registered = architecture in plugins.names("model")
+    if model_impl == "loom" and not registered:
+        raise ValueError(
+            f"--model-impl loom: Loom has no implementation of {architecture}; it implements "
+            f"{', '.join(sorted(plugins.names('model')))} (--model-impl auto or transformers "
+            "runs it through transformers' modeling code)"
+        )
+    if registered and model_impl != "transformers":
+        logger.info("model: %s via Loom's implementation", architecture)
+        return plugins.resolve("model", architecture)
+    why = "no Loom implementation" if not registered else "--model-impl transformers"
+    logger.info("model: %s via transformers' modeling code (%s)", architecture, why)
+    module, _, name = TRANSFORMERS_FALLBACK.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+    """Instantiate the architecture's class (:func:`resolve_model_class`), uninitialised, on
+    the device."""
+    cls = resolve_model_class(model_config.architecture, model_config.model_impl)
     with default_dtype(model_config.dtype), torch.device(device_config.device):
         model = cls(model_config.hf_config)
     return model

@@ -49,7 +49,7 @@ class DecoderSpec:
 
 
 def layer_type(config: Any, layer_id: int) -> str:
-    """"sliding_attention" or "full_attention" for a layer: the config's ``layer_types`` where it
+    """ "sliding_attention" or "full_attention" for a layer: the config's ``layer_types`` where it
     has them (Qwen2/3, Gemma 2/3), else every layer slides when ``sliding_window`` is set
     (Mistral, Mixtral, Phi-3)."""
     types = getattr(config, "layer_types", None)
@@ -86,7 +86,8 @@ class DecoderAttention(nn.Module):
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // num_heads
         bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias if spec.qkv_bias is None else spec.qkv_bias
+        # Qwen2-MoE's configs may name the q/k/v bias ``qkv_bias``
+        qkv_bias = bias if spec.qkv_bias is None else getattr(config, "qkv_bias", spec.qkv_bias)
         o_bias = bias if spec.qkv_bias is None else False
         self.qkv_proj = QKVParallelLinear(
             self.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias
@@ -265,9 +266,10 @@ class DecoderForCausalLM(CausalLM):
         return logits
 
     def checkpoint_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
+        self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        """The checkpoint's (name, tensor) pairs as :meth:`load_weights` routes them: with
+        """The checkpoint's (name, tensor) pairs as :meth:`load_weights` routes them by name; a
+        subclass may load some itself (adding the parameters' names to ``loaded``). With
         ``spec.fused_checkpoint``, fused qkv_proj / gate_up_proj tensors are split into the
         q/k/v and gate/up parts (so each is sliced for tensor parallelism on its own)."""
         if not self.spec.fused_checkpoint:
@@ -292,8 +294,9 @@ class DecoderForCausalLM(CausalLM):
         skip = ["rotary_emb.inv_freq"]
         if self.tie_word_embeddings:
             skip.append("lm_head.weight")
-        loaded = load_packed_weights(
-            self, self.checkpoint_weights(weights), self.packed_modules_mapping, skip
+        loaded: set[str] = set()
+        loaded |= load_packed_weights(
+            self, self.checkpoint_weights(weights, loaded), self.packed_modules_mapping, skip
         )
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:

@@ -11,17 +11,29 @@ from loom import plugins
 
 
 def _reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    window: int = 0,
+    cap: float = 0.0,
 ) -> torch.Tensor:
     """Dense causal attention for one request in plain PyTorch (fp32): q [n, H, D], k/v [S, Hk, D],
-    query i sits at position prefix_len + i and sees keys 0..prefix_len + i."""
+    query i sits at position p = prefix_len + i and sees keys 0..p, or with a window only keys j
+    with p - window < j <= p; a cap soft-caps the scaled scores to cap * tanh(score / cap)."""
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
     q_pos = torch.arange(q.shape[0]).unsqueeze(1) + prefix_len
-    allowed = torch.arange(k.shape[0]).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= k_pos > q_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -35,10 +47,18 @@ def check_attention_backend(
     atol: float | None = None,
     head_dim: int = 16,
     kv_dtype: torch.dtype | None = None,
+    sliding_window: int = 0,
+    logit_cap: float = 0.0,
 ) -> None:
-    """Extend (with and without cached prefixes) and decode over a paged pool with scattered,
-    non-contiguous pages, against dense attention computed in plain PyTorch. ``kv_dtype``: a
-    KV cache narrower than ``dtype`` (fp8); the reference then reads K/V rounded the same way."""
+    """Extend (with and without cached prefixes, and ending in one-token rows as a mixed step's
+    decoding requests do) and decode over a paged pool with scattered, non-contiguous pages,
+    against dense attention computed in plain PyTorch, with GQA (4 query heads over 2 KV heads).
+    ``kv_dtype``: a KV cache narrower than ``dtype`` (fp8); the reference then reads K/V
+    rounded the same way. ``sliding_window`` / ``logit_cap``: the layer's
+    (``Attention.sliding_window`` / ``logit_cap``), declared in the context's ``features``;
+    a backend whose ``features`` lack them is refused by its constructor (ValueError), so run
+    the kit with them only where they are declared. The requests' sequences (up to 65 tokens)
+    reach past a window of 8 and stay inside one of 100."""
     from loom.forward_batch import ForwardBatch, ForwardMode
     from loom.layers.attention.base import AttentionContext
     from loom.layers.attention.layer import Attention
@@ -57,14 +77,21 @@ def check_attention_backend(
     table = ReqToTokenPool(8, 512, device)
     alloc = PageAllocator(num_pages, page_size)
     rng.shuffle(alloc._free)  # scattered pages catch backends that assume contiguity
-    backend = plugins.resolve("attention_backend", name)(
-        AttentionContext(heads, kv_heads, head_dim, dtype, device, pool, table)
+    features = frozenset(
+        f for f, used in (("sliding_window", sliding_window), ("logit_cap", logit_cap)) if used
     )
-    layer = Attention(0, heads, kv_heads, head_dim, head_dim**-0.5)
+    backend = plugins.resolve("attention_backend", name)(
+        AttentionContext(heads, kv_heads, head_dim, dtype, device, pool, table, features)
+    )
+    layer = Attention(0, heads, kv_heads, head_dim, head_dim**-0.5, sliding_window, logit_cap)
+    extra = {"window": sliding_window, "cap": logit_cap}
+    what = f"{name} (window {sliding_window}, cap {logit_cap})" if features else name
     tol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
 
-    prefix_lens = [0, 5, 17, 0]
-    extend_lens = [9, 1, 30, 64]
+    # a one-token row between prompts (the extend path's), and one at the end (which backends
+    # may hand to their decode kernel, as a mixed step's decoding requests)
+    prefix_lens = [0, 5, 17, 0, 40]
+    extend_lens = [9, 1, 30, 64, 1]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     full_k = [torch.randn(s + 1, kv_heads, head_dim, generator=gen) for s in seq_lens]
     full_v = [torch.randn(s + 1, kv_heads, head_dim, generator=gen) for s in seq_lens]
@@ -127,9 +154,10 @@ def check_attention_backend(
             stored(full_v[i][: p + e]),
             p,
             head_dim**-0.5,
+            **extra,
         )
         err = (out[start : start + e] - ref.flatten(1)).abs().max().item()
-        assert err < tol, f"{name}: extend of request {i} (prefix {p}) off by {err:.2e}"
+        assert err < tol, f"{what}: extend of request {i} (prefix {p}) off by {err:.2e}"
         start += e
 
     # Decode one more token per request on top of everything above.
@@ -144,6 +172,7 @@ def check_attention_backend(
             stored(full_v[i][: s + 1]),
             s,
             head_dim**-0.5,
+            **extra,
         )
         err = (out[i] - ref.flatten()).abs().max().item()
-        assert err < tol, f"{name}: decode of request {i} off by {err:.2e}"
+        assert err < tol, f"{what}: decode of request {i} off by {err:.2e}"

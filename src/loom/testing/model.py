@@ -54,6 +54,31 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),
+    "MixtralForCausalLM": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "Qwen2MoeForCausalLM": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+        },
+    ),
+    "Qwen3MoeForCausalLM": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "head_dim": 32,
+        },
+    ),
 }
 
 
@@ -254,12 +279,14 @@ def check_model_engine(
     prompt_lens: tuple[int, ...] = (5, 19, 26, 40),
     max_new_tokens: int = 32,
     seed: int = 0,
+    **engine_args: Any,
 ) -> None:
     """The engine on a saved checkpoint of ``hf_config`` (HF's random model, seeded) against
     transformers' greedy ``generate`` of the same weights, fp32 on CPU: ``max_new_tokens``
     greedy tokens of each prompt equal HF's when each runs alone, when all run batched
     together, and through 8-token prefill chunks in a pool so small that requests are retracted
-    and recomputed (which must happen). Prompts should be longer than any sliding window."""
+    and recomputed (which must happen). Prompts should be longer than any sliding window.
+    ``engine_args``: more arguments of both engines (e.g. ``model_impl="transformers"``)."""
     import loom
 
     rng = random.Random(seed)
@@ -271,6 +298,7 @@ def check_model_engine(
         hf = save_tiny_llama(tmp, hf_config, seed)
         want = _hf_greedy(hf, prompts, max_new_tokens)
         kw = dict(model=tmp, device="cpu", dtype="float32", skip_tokenizer_init=True)
+        kw.update(engine_args)
         with loom.Engine(max_total_tokens=4096, **kw) as e:
             alone = [e.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
             batched = [

@@ -13,6 +13,13 @@ Triton split-KV kernel, which reads the paged pool directly and is CUDA-graph sa
 no paged-KV flash kernel. It also takes an extend batch's trailing one-token rows (a mixed
 step's decoding requests), which would otherwise pad every request's query rows to the longest
 extend and its keys to the longest sequence.
+
+Layers with a sliding window or a logit soft cap take the Triton extend kernel instead of SDPA
+(both are Triton's arguments, so this backend's ``features`` are Triton's). SDPA has no soft
+cap, so capped scores would need an explicit fp32 ``[bs, heads, max_ext, max_seq]`` product; and
+a window as an SDPA mask would still gather and multiply every key of the padded sequence, where
+the Triton kernel starts each query block's KV loop at its window (O(window) a query, not
+O(seq_len)), with no mask per distinct window to build and keep.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class FlashAttentionBackend(TritonAttnBackend):
         )
 
     def forward_extend(self, q, layer, batch):
+        if layer.sliding_window or layer.logit_cap:
+            return super().forward_extend(q, layer, batch)
         md = batch.attn_metadata
         k, t = md.num_extend_reqs, md.num_extend_tokens
         if k == batch.batch_size:

@@ -10,13 +10,27 @@ capture and before every replay, and the graph holds only the kernels. Each capt
 has its own decode wrapper over fixed index buffers, as FlashInfer's CUDA-graph mode requires.
 FlashInfer has no fp32 kernels: the backend accepts fp16 and bf16 models only, with a KV cache
 of the model's dtype or ``fp8_e4m3`` (``--kv-cache-dtype``; a 16-bit query over fp8 K/V).
+
+Sliding windows and logit soft caps are plan arguments of FlashInfer's wrappers (``window_left``
+= ``sliding_window - 1``, ``logits_soft_cap``; each pair is its own compiled kernel variant, and
+``run`` must use the plan's window), while Loom's are per layer (Gemma 2/3 alternate local and
+global layers). So each distinct (window, cap) of the model's layers gets a wrapper of its own,
+planned every step over the same KV indices, the variants sharing the float workspace (used by
+one kernel at a time, in stream order). The backend learns the variants from the layers (its
+context lists only which features they use): plain layers' is planned from the start, and a
+layer whose variant has no plan yet plans it on first use (eager forwards only), after which
+every step plans it up front. The CUDA graph runner runs two eager forwards of each batch size
+before capturing it, so a captured graph replays only plans made outside it. Cost: one plan per
+variant per step (two for Gemma 2, three for a model of windows only: the plain plan stays) and
+an int workspace per variant and graph batch size.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,15 +51,39 @@ def import_error() -> str | None:
     return None
 
 
+# a layer's (sliding_window, logit_cap), 0 for none: the key of a planned wrapper
+_Variant = tuple[int, float]
+_PLAIN: _Variant = (0, 0.0)
+
+
+def _variant(layer) -> _Variant:
+    return layer.sliding_window, layer.logit_cap
+
+
+def _variant_kwargs(variant: _Variant) -> dict[str, Any]:
+    """FlashInfer's plan arguments: ``window_left`` counts the keys a query sees before its own
+    token (-1: all), so HF's window of W keys (the query's own included) is W - 1. None for
+    plain layers (FlashInfer's defaults)."""
+    if variant == _PLAIN:
+        return {}
+    window, cap = variant
+    return {"window_left": window - 1 if window else -1, "logits_soft_cap": cap}
+
+
 @dataclass
 class _Metadata:
-    wrapper: Any
-    scale_fixup: float | None = None
+    # this step's plan of a variant: called for the first layer of a variant not yet planned
+    plan: Callable[[_Variant], Any]
+    wrappers: dict[_Variant, Any] = field(default_factory=dict)
 
 
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     plans_on_host = True
+    # The windows and caps below are written from FlashInfer's documented plan API but were not
+    # run here (FlashInfer is not installed on the machines this was written on), so they are
+    # not declared: models with them take another backend under --attention-backend auto.
+    features: frozenset[str] = frozenset()
 
     @classmethod
     def is_supported(cls, device: torch.device) -> bool:
@@ -90,11 +128,14 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         # GQA with a group of 4 or more runs faster on the tensor-core (prefill) kernels.
         self.decode_tensor_cores = ctx.num_heads // ctx.num_kv_heads >= 4
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
-        )
-        self.graph_wrappers: dict[int, Any] = {}
+        # per variant (see the module's docstring), created on first use
+        self.prefill: dict[_Variant, Any] = {}
+        self.decode: dict[_Variant, Any] = {}
+        self.graph_wrappers: dict[tuple[int, _Variant], Any] = {}
+        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the variants planned every step: plain layers' from the start (as most models have
+        # them only), the others' once a layer has used them
+        self.variants: list[_Variant] = [_PLAIN]
         self._graph_indices: torch.Tensor | None = None
         self._ones = torch.ones(1024, dtype=torch.int32, device=dev)
         # Per wrapper: an event after its last plan's copies. ``plan`` fills a pinned host
@@ -127,22 +168,47 @@ class FlashInferAttnBackend(AttentionBackend):
             self._ones = torch.ones(bs, dtype=torch.int32, device=self._ones.device)
         return self._ones[:bs]
 
-    def graph_wrapper(self, bs: int, max_kv_tokens: int):
-        """The decode wrapper that the CUDA graph of batch size ``bs`` replays."""
-        if bs not in self.graph_wrappers:
+    def graph_wrapper(self, bs: int, max_kv_tokens: int) -> None:
+        """Set up the fixed index buffers that the CUDA graph of batch size ``bs`` reads; its
+        wrappers (one per variant, all over these buffers) come with their first plan."""
+        if bs not in self._graph_buffers:
             dev = self.ctx.device
             if self._graph_indices is None or self._graph_indices.shape[0] < max_kv_tokens:
                 self._graph_indices = torch.zeros(max_kv_tokens, dtype=torch.int32, device=dev)
-            self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._graph_buffers[bs] = (
+                torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                torch.ones(bs, dtype=torch.int32, device=dev),
+            )
+
+    def _decode_wrapper(self, graph_bs: int | None, variant: _Variant):
+        """The eager decode wrapper of ``variant``, or the one the graph of ``graph_bs`` replays
+        (every variant's plan copies the same indices into the graph's buffers)."""
+        if graph_bs is None:
+            if variant not in self.decode:
+                self.decode[variant] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+                )
+            return self.decode[variant]
+        key = (graph_bs, variant)
+        if key not in self.graph_wrappers:
+            indptr, last_page_len = self._graph_buffers[graph_bs]
+            self.graph_wrappers[key] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=self.decode_tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                paged_kv_indptr_buffer=indptr,
                 paged_kv_indices_buffer=self._graph_indices,
-                paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=last_page_len,
             )
-        return self.graph_wrappers[bs]
+        return self.graph_wrappers[key]
+
+    def _prefill_wrapper(self, variant: _Variant):
+        if variant not in self.prefill:
+            self.prefill[variant] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD"
+            )
+        return self.prefill[variant]
 
     def _plan(self, wrapper, *args, **kwargs) -> None:
         done = self._planned.get(id(wrapper))
@@ -160,41 +226,50 @@ class FlashInferAttnBackend(AttentionBackend):
         lens_cpu = list(batch.seq_lens_cpu)
         indptr = torch.zeros(bs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(lens_cpu, dtype=torch.int32), 0, out=indptr[1:])
+        indices = self._kv_indices(batch, lens_cpu)
         # fp8_e4m3 caches: FlashInfer's kernels take a 16-bit query over fp8 K/V (stored
         # unscaled, so the default scales of 1 apply)
         common = dict(q_data_type=ctx.dtype, kv_data_type=self.kv_dtype)
+        heads = (ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, 1)  # ..., page size 1
         if batch.is_decode:
             graph_bs = getattr(batch, "graph_bs", None)
-            wrapper = self.decode if graph_bs is None else self.graph_wrappers[graph_bs]
-            indices = self._kv_indices(batch, lens_cpu)
-            self._plan(
-                wrapper,
-                indptr,
-                indices,
-                self._last_page_len(bs),
-                ctx.num_heads,
-                ctx.num_kv_heads,
-                ctx.head_dim,
-                1,
-                **common,
-            )
-            return _Metadata(wrapper)
-        qo = torch.zeros(bs + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
-        self._plan(
-            self.prefill,
-            qo,
-            indptr,
-            self._kv_indices(batch, lens_cpu),
-            self._last_page_len(bs),
-            ctx.num_heads,
-            ctx.num_kv_heads,
-            ctx.head_dim,
-            1,
-            causal=True,
-            **common,
-        )
-        return _Metadata(self.prefill)
+
+            def plan(variant: _Variant):
+                wrapper = self._decode_wrapper(graph_bs, variant)
+                self._plan(
+                    wrapper,
+                    indptr,
+                    indices,
+                    self._last_page_len(bs),
+                    *heads,
+                    **common,
+                    **_variant_kwargs(variant),
+                )
+                return wrapper
+
+        else:
+            qo = torch.zeros(bs + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
+
+            def plan(variant: _Variant):
+                wrapper = self._prefill_wrapper(variant)
+                self._plan(
+                    wrapper,
+                    qo,
+                    indptr,
+                    indices,
+                    self._last_page_len(bs),
+                    *heads,
+                    causal=True,
+                    **common,
+                    **_variant_kwargs(variant),
+                )
+                return wrapper
+
+        md = _Metadata(plan)
+        for variant in self.variants:
+            md.wrappers[variant] = plan(variant)
+        return md
 
     # ---- run ------------------------------------------------------------------------------
 
@@ -204,7 +279,19 @@ class FlashInferAttnBackend(AttentionBackend):
         q = q.view(-1, layer.num_heads, layer.head_dim)
         if abs(layer.scaling - self.default_scale) > 1e-12:
             q = q * (layer.scaling / self.default_scale)
-        out = batch.attn_metadata.wrapper.run(q, (k_buf.view(shape), v_buf.view(shape)))
+        md: _Metadata = batch.attn_metadata
+        variant = _variant(layer)
+        wrapper = md.wrappers.get(variant)
+        if wrapper is None:  # the first layer of this variant: plan it, and every step on
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"attention variant {variant} first seen inside a CUDA graph capture: "
+                    "run an eager forward of the batch first"
+                )
+            if variant not in self.variants:
+                self.variants.append(variant)
+            wrapper = md.wrappers[variant] = md.plan(variant)
+        out = wrapper.run(q, (k_buf.view(shape), v_buf.view(shape)))
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_extend(self, q, layer, batch):

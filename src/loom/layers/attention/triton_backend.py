@@ -1,8 +1,9 @@
 """The ``triton`` attention backend: Loom's own kernels (``triton_ops.py``) over the paged pool.
 
 Decode reads only device tensors whose shapes depend on the batch size, so it is CUDA-graph
-safe. On CPU it runs only under ``TRITON_INTERPRET=1`` (tests); ``--attention-backend auto`` picks
-it on CUDA.
+safe. Sliding windows and logit soft caps are kernel arguments read from each layer (constants
+of the layer, baked into a captured graph like its scale). On CPU it runs only under
+``TRITON_INTERPRET=1`` (tests); ``--attention-backend auto`` picks it on CUDA.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from loom import env
-from loom.layers.attention.base import AttentionBackend
+from loom.layers.attention.base import ATTENTION_FEATURES, AttentionBackend
 
 
 def num_kv_splits(bs: int) -> int:
@@ -73,6 +74,7 @@ class _Metadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    features = frozenset(ATTENTION_FEATURES)
 
     @classmethod
     def is_supported(cls, device: torch.device) -> bool:
@@ -143,6 +145,8 @@ class TritonAttnBackend(AttentionBackend):
                 md.prefix_lens,
                 md.max_extend_len,
                 layer.scaling,
+                window=layer.sliding_window,
+                logit_cap=layer.logit_cap,
             )
             return out.view(-1, layer.num_heads * layer.head_dim)
         out = torch.empty_like(q3)
@@ -158,6 +162,8 @@ class TritonAttnBackend(AttentionBackend):
                 md.prefix_lens[:k],
                 md.max_extend_len,
                 layer.scaling,
+                window=layer.sliding_window,
+                logit_cap=layer.logit_cap,
             )
         self._decode_rows(q3[t:], k_buf, v_buf, layer, batch, out[t:])
         return out.view(-1, layer.num_heads * layer.head_dim)
@@ -182,6 +188,8 @@ class TritonAttnBackend(AttentionBackend):
             kv_per_program=min(kv_per_program(bs, k_buf.dtype), k_buf.shape[1]),
             prefetch=decode_prefetch(bs, k_buf.dtype),
             order=md.decode_order,
+            window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
         )
 
     @staticmethod
@@ -213,5 +221,7 @@ class TritonAttnBackend(AttentionBackend):
             kv_per_program=min(kv_per_program(batch.batch_size, k_buf.dtype), k_buf.shape[1]),
             prefetch=decode_prefetch(batch.batch_size, k_buf.dtype),
             order=self._decode_order(batch) if splits == 1 else None,
+            window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
         )
         return out.view(-1, layer.num_heads * layer.head_dim)

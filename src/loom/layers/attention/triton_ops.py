@@ -10,6 +10,13 @@
   causally (their own K/V are already in the pool). One program per request x query head x block
   of new tokens.
 
+Both take a layer's sliding window and logit soft cap (``Attention.sliding_window``,
+``Attention.logit_cap``) behind constexpr flags, so a plain layer compiles to the same code as
+without them. A window moves the start of the KV loop to the first key the earliest query of
+the program sees (decode: ``seq_len - window``; extend: the block's first position minus
+``window - 1``), so the KV outside the window is never read and a long context costs
+O(window); the split-KV decode divides the window, not the sequence, among its splits.
+
 KV slots come from the req-to-token table, so pages may lie anywhere in the pool. Under
 ``TRITON_INTERPRET=1`` both run on CPU tensors, which is how CI tests them.
 """
@@ -55,6 +62,8 @@ def _decode_stage1(
     stride_ob,
     stride_oh,
     scale,
+    window,
+    logit_cap,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -67,6 +76,8 @@ def _decode_stage1(
     PREFETCH: tl.constexpr = False,
     KVP: tl.constexpr = 1,
     ORDERED: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_CAP: tl.constexpr = False,
 ):
     if ORDERED:  # programs take requests in the given order (longest first: see decode_attention)
         b = tl.load(Order + tl.program_id(0))
@@ -76,10 +87,16 @@ def _decode_stage1(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqPoolIdx + b)
+    # The query sits at position seq_len - 1; with a window it sees the last `window` keys
+    # only, and the splits share those alone.
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
+    else:
+        kv_start = 0
     # Splits cover whole BLOCK_N tiles (the last one may be shorter, trailing ones empty): a
-    # chunk of cdiv(seq_len, NUM_SPLITS) tokens would end each split on a partly masked tile.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    # chunk of cdiv(kv_len, NUM_SPLITS) tokens would end each split on a partly masked tile.
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -146,6 +163,11 @@ def _decode_stage1(
         else:
             k = k.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_H, BLOCK_N]
+        if HAS_CAP:
+            # cap * tanh(s / cap), tanh by exp (Triton has no tanh the interpreter runs, and a
+            # helper function costs the interpreter a patching per call): exp overflowing to
+            # inf gives cap, underflowing to 0 gives -cap
+            s = logit_cap - 2.0 * logit_cap / (tl.exp(s * (2.0 / logit_cap)) + 1.0)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         if KVP > 1:  # each query row keeps its own head's rows
             own = (offs_h // GROUP)[:, None] == (offs_r % KVP)[None, :]
@@ -241,6 +263,8 @@ def decode_attention(
     prefetch: bool = False,
     kv_per_program: int = 1,
     order: torch.Tensor | None = None,
+    window: int = 0,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """q ``[bs, num_heads, head_dim]``; k/v_buf ``[slots, kv_heads, head_dim]``. The scratch
     buffers may be passed in (fixed addresses for CUDA graphs). ``use_dot`` computes each GQA
@@ -258,7 +282,9 @@ def decode_attention(
     one contiguous run per token; for measuring, e.g. over fp8 caches); ``order``: the batch
     rows in the order programs take them (``[bs]``, a permutation), e.g. longest first, so
     that the grid's last programs are short ones instead of whichever requests came last
-    (ragged contexts otherwise leave the GPU half idle behind a few long rows)."""
+    (ragged contexts otherwise leave the GPU half idle behind a few long rows). ``window``: the
+    query sees only the last ``window`` keys (0: all); ``logit_cap``: scores soft-capped to
+    ``cap * tanh(score / cap)`` after scaling (0: none)."""
     if use_dot is None:
         use_dot = q.dtype != torch.float32
     bs, num_heads, head_dim = q.shape
@@ -300,6 +326,8 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         scale,
+        window,
+        float(logit_cap),
         GROUP=group,
         BLOCK_H=max(triton.next_power_of_2(group * kvp), 16 if use_dot else 1),
         BLOCK_N=block_n or (64 if use_dot else 32),
@@ -312,6 +340,8 @@ def decode_attention(
         PREFETCH=prefetch,
         KVP=kvp,
         ORDERED=order is not None,
+        HAS_WINDOW=window > 0,
+        HAS_CAP=logit_cap > 0,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     if num_splits == 1:  # stage 1 wrote the output
@@ -356,12 +386,16 @@ def _extend_kernel(
     stride_oh,
     stride_rt,
     scale,
+    window,
+    logit_cap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_CAP: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -390,7 +424,13 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys up to the last query's position: the prefix and the causal part of the new tokens.
     kv_end = tl.minimum(prefix + (mblock + 1) * BLOCK_M, prefix + ext)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # With a window, keys from the first query's window on: the block's later queries see
+    # later keys only, so the loop reads window + BLOCK_M - 1 keys at most.
+    if HAS_WINDOW:
+        kv_start = tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0)
+    else:
+        kv_start = 0
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         loc = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
@@ -400,7 +440,11 @@ def _extend_kernel(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32) * scale
+        if HAS_CAP:  # cap * tanh(s / cap), as in _decode_stage1
+            s = logit_cap - 2.0 * logit_cap / (tl.exp(s * (2.0 / logit_cap)) + 1.0)
         allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            allowed &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -435,8 +479,12 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     max_extend_len: int,
     scale: float,
+    window: int = 0,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """q ``[num_tokens, num_heads, head_dim]`` (all requests' new tokens, concatenated)."""
+    """q ``[num_tokens, num_heads, head_dim]`` (all requests' new tokens, concatenated).
+    ``window`` / ``logit_cap``: as in :func:`decode_attention` (a query at position i sees keys
+    j with ``i - window < j <= i``)."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     out = torch.empty_like(q)
@@ -462,6 +510,8 @@ def extend_attention(
         out.stride(1),
         req_to_token.stride(0),
         scale,
+        window,
+        float(logit_cap),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -469,5 +519,7 @@ def extend_attention(
         BLOCK_N=32,
         # fp32 inputs: exact IEEE products (Triton's default TF32 is off by ~1e-3)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window > 0,
+        HAS_CAP=logit_cap > 0,
     )
     return out
