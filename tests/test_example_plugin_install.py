@@ -138,3 +138,22 @@ def test_allow_list_naming_plugin_loads_it(monkeypatch):
     monkeypatch.setenv("LOOM_PLUGINS", "other, example")
     plugins.reset_for_tests()
     assert POLICY in plugins.names("radix_eviction_policy")
+
+
+def test_out_of_tree_architecture_serves_at_parity_with_hf():
+    """The plug-in's OlmoForCausalLM (Loom ships no OLMo) is registered by the entry point, and
+    the engine serves a checkpoint naming it through it: logits equal HF's OLMo over a paged
+    pool, and greedy tokens equal HF's generate alone, batched, chunked and retracted."""
+    from transformers import OlmoConfig
+
+    from loom.model_loader.base import resolve_model_class
+    from loom.testing import check_model, check_model_engine
+    from loom.testing._common import TINY_LLAMA
+
+    entries = {e.name: e for e in plugins.entries("model")}
+    assert DIST in entries["OlmoForCausalLM"].origin
+    cls = resolve_model_class("OlmoForCausalLM", "loom")
+    assert cls.__module__ == "loom_example_plugin.olmo"
+    config = OlmoConfig(**TINY_LLAMA, architectures=["OlmoForCausalLM"])
+    check_model("OlmoForCausalLM", hf_config=config)
+    check_model_engine(config, prompt_lens=(5, 19, 26), max_new_tokens=16, model_impl="loom")

@@ -13,7 +13,7 @@ proj``, ...) so that checkpoints load by name and LoRA adapters find their targe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -46,6 +46,17 @@ class DecoderSpec:
     gemma: bool = False
     # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
     fused_checkpoint: bool = False
+    # the layers' and the final norm, built as ``norm(hidden_size, eps)`` and called as
+    # RMSNorm is (``norm(x)`` or ``norm(x, residual) -> (out, x + residual)``); None: RMSNorm
+    # (GemmaRMSNorm with ``gemma``)
+    norm: Callable[[int, float], nn.Module] | None = None
+
+    def norm_class(self) -> Callable[[int, float], nn.Module]:
+        return self.norm or (GemmaRMSNorm if self.gemma else RMSNorm)
+
+
+def _eps(config: Any) -> float:
+    return getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None) or 1e-6
 
 
 def layer_type(config: Any, layer_id: int) -> str:
@@ -156,8 +167,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: Any, layer_id: int, spec: DecoderSpec, mlp: nn.Module) -> None:
         super().__init__()
-        norm = GemmaRMSNorm if spec.gemma else RMSNorm
-        size, eps = config.hidden_size, config.rms_norm_eps
+        norm = spec.norm_class()
+        size, eps = config.hidden_size, _eps(config)
         self.self_attn = DecoderAttention(config, layer_id, spec)
         self.mlp = mlp
         self.input_layernorm = norm(size, eps)
@@ -191,9 +202,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, spec, build_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
-        self.norm = (GemmaRMSNorm if spec.gemma else RMSNorm)(
-            config.hidden_size, config.rms_norm_eps
-        )
+        self.norm = spec.norm_class()(config.hidden_size, _eps(config))
         self.embed_scale = config.hidden_size**0.5 if spec.gemma else None
         # Layers of one rotary table share its cos/sin, gathered once per forward per table.
         self._rope_groups: list[tuple[nn.Module, list[int]]] = []

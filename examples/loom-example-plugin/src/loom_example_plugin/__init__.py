@@ -18,6 +18,7 @@ def register() -> None:
         "example_lfu_then_lru",
         "loom_example_plugin.eviction:LFUThenLRUPolicy",
     )
+    register("model", "OlmoForCausalLM", "loom_example_plugin.olmo:OlmoForCausalLM")
     register(
         "logits_processor",
         "example_force_token",
