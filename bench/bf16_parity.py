@@ -21,7 +21,7 @@ import torch
 
 import loom
 from loom.bench import append_result
-from loom.bench.offline import build_hf_model
+from loom.bench.offline import hf_model_for
 from loom.bench.parity import flips, hf_logits, summarise_flips
 
 PROMPTS = [
@@ -88,7 +88,7 @@ def main() -> None:
             },
         )
         loom_out = [o["output_ids"] for o in outs]
-        hf = build_hf_model(e)
+        hf = hf_model_for(e)
         device = e.runner.device
     n = sum(len(o) for o in loom_out)
     half_logits = [hf_logits(hf, pr, o, device) for pr, o in zip(prompts, loom_out, strict=True)]

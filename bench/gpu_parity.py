@@ -18,6 +18,7 @@ import sys
 import torch
 
 import loom
+from loom.model_loader.base import process_weights_after_loading
 
 BACKENDS = ["torch_native", "triton", "flash_attention"]
 NUM_PROMPTS, NEW_TOKENS = 8, 64
@@ -54,6 +55,7 @@ def loom_generate(config_path: str, hf, backend: str, dtype: str, prompts):
         # Copy HF's weights in place (CUDA graphs keep pointing at the same parameters).
         with torch.inference_mode():
             e.runner.model.load_weights((n, t) for n, t in hf.state_dict().items() if n not in skip)
+            process_weights_after_loading(e.runner.model)  # the layers' derived copies
         outs = e.generate(
             input_ids=prompts,
             sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},

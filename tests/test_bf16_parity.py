@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import loom
-from loom.bench.offline import build_hf_model
+from loom.bench.offline import hf_model_for
 from loom.bench.parity import flips, hf_logits, summarise_flips
 from tests.conftest import CHAT_PROMPTS
 
@@ -22,7 +22,7 @@ def bf16_run():
             input_ids=prompts,
             sampling_params={"max_new_tokens": 64, "temperature": 0, "ignore_eos": True},
         )
-        hf = build_hf_model(e)
+        hf = hf_model_for(e)
     loom_out = [o["output_ids"] for o in outs]
     half = [hf_logits(hf, p, o) for p, o in zip(prompts, loom_out, strict=True)]
     hf32 = hf.float()

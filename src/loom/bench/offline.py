@@ -4,6 +4,7 @@ optionally the same requests through HF transformers ``generate()`` in the same 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 from dataclasses import fields
@@ -185,16 +186,14 @@ def device_timeline(p: dict[str, Any]) -> str:
     )
 
 
-def build_hf_model(engine):
-    """An HF transformers model with the same weights as the engine's (same loader)."""
+def build_hf_model(cfg, loader, device: torch.device):
+    """An HF transformers model with the same weights as the engine's (read by the engine's own
+    loader; a loader that reads no checkpoint, e.g. dummy, leaves HF's random init)."""
     from transformers import AutoModelForCausalLM
 
-    runner = engine.runner
-    cfg = runner.model_config
-    loader = runner.loader
     if hasattr(loader, "_pick"):
         loader = loader._pick(cfg.path)
-    with torch.device(runner.device):  # initialise on the GPU: an 8B model takes minutes on CPU
+    with torch.device(device):  # initialise on the GPU: an 8B model takes minutes on CPU
         model = AutoModelForCausalLM.from_config(cfg.hf_config, dtype=cfg.dtype)
     iterate = getattr(loader, "iterate_weights", None)
     if iterate is not None:
@@ -213,7 +212,13 @@ def build_hf_model(engine):
             raise ValueError(f"HF model is missing weights: {missing[:5]}")
         if getattr(cfg.hf_config, "tie_word_embeddings", False):
             model.tie_weights()
-    return model.to(runner.device).eval()
+    return model.to(device).eval()
+
+
+def hf_model_for(engine):
+    """:func:`build_hf_model` for a running in-process engine (both models stay in memory)."""
+    runner = engine.runner
+    return build_hf_model(runner.model_config, runner.loader, runner.device)
 
 
 @torch.inference_mode()
@@ -314,24 +319,35 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             result["base"] = {k: v for k, v in base.items() if k != "output_ids"}
             result["lora_vs_base"] = loom["output_tokens_per_s"] / base["output_tokens_per_s"]
             print(f"LoRA / base: {result['lora_vs_base']:.3f}x")
+        hf_setup = None
         if ns.compare_hf:
-            model = build_hf_model(engine)
-            engine.shutdown()
+            runner = engine.runner
             pad = engine.eos_token_ids and min(engine.eos_token_ids) or 0
-            hf_reqs = reqs[: ns.hf_num_prompts] if ns.hf_num_prompts else reqs
-            hf = run_hf(model, hf_reqs, ns.hf_batch_size, pad, engine.runner.device)
-            ratio = loom["output_tokens_per_s"] / hf["output_tokens_per_s"]
-            same = sum(a == b for a, b in zip(loom["output_ids"], hf["output_ids"], strict=False))
-            print(
-                f"HF    (transformers generate(), batch {ns.hf_batch_size}, "
-                f"{len(hf_reqs)} requests): "
-                f"{hf['output_tokens_per_s']:.1f} output tokens/s, {hf['elapsed_s']:.2f} s"
-            )
-            print(f"Loom / HF: {ratio:.2f}x; identical greedy outputs: {same}/{len(hf_reqs)}")
-            result["hf"] = {k: v for k, v in hf.items() if k != "output_ids"}
-            result["hf"]["batch_size"] = ns.hf_batch_size
-            result["hf"]["num_prompts"] = len(hf_reqs)
-            result["ratio"] = ratio
-            result["identical_outputs"] = same
-        append_result(ns.result_file, result)
+            hf_setup = (runner.model_config, runner.loader, runner.device, pad)
+            del runner
+    if hf_setup is not None:
+        # The engine's weights, KV pool and CUDA graphs are released first, so that HF's copy
+        # fits beside nothing (Mixtral-8x7B's 93 GB twice does not fit on one H200).
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        cfg, loader, device, pad = hf_setup
+        model = build_hf_model(cfg, loader, device)
+        hf_reqs = reqs[: ns.hf_num_prompts] if ns.hf_num_prompts else reqs
+        hf = run_hf(model, hf_reqs, ns.hf_batch_size, pad, device)
+        ratio = loom["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        same = sum(a == b for a, b in zip(loom["output_ids"], hf["output_ids"], strict=False))
+        print(
+            f"HF    (transformers generate(), batch {ns.hf_batch_size}, "
+            f"{len(hf_reqs)} requests): "
+            f"{hf['output_tokens_per_s']:.1f} output tokens/s, {hf['elapsed_s']:.2f} s"
+        )
+        print(f"Loom / HF: {ratio:.2f}x; identical greedy outputs: {same}/{len(hf_reqs)}")
+        result["hf"] = {k: v for k, v in hf.items() if k != "output_ids"}
+        result["hf"]["batch_size"] = ns.hf_batch_size
+        result["hf"]["num_prompts"] = len(hf_reqs)
+        result["ratio"] = ratio
+        result["identical_outputs"] = same
+    append_result(ns.result_file, result)
     return 0

@@ -34,7 +34,12 @@ class GemmaRMSNorm(RMSNorm):
     takes ``1 + w`` in the model's dtype, so on GPUs the two roundings may differ by an ulp."""
 
     def process_weights_after_loading(self) -> None:
-        self._scale = (1.0 + self.weight.detach().float()).to(self.weight.dtype)
+        scale = (1.0 + self.weight.detach().float()).to(self.weight.dtype)
+        current = getattr(self, "_scale", None)
+        if current is not None and current.shape == scale.shape:
+            current.copy_(scale)  # in place: captured CUDA graphs read this tensor
+        else:
+            self._scale = scale
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if use_fused(x):
