@@ -37,30 +37,32 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def widened(arch: str):
+    layers = ARGS.layers
+    extra = {}
+    if arch.startswith("Gemma"):  # three local layers to a global one
+        extra["layer_types"] = [
+            "full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)
+        ]
+    if arch == "Qwen2ForCausalLM":  # Qwen2's windows start above max_window_layers
+        extra["max_window_layers"] = 2
+        extra["layer_types"] = [
+            "full_attention" if i < 2 else "sliding_attention" for i in range(layers)
+        ]
     cfg = tiny_config(
         arch,
         hidden_size=512,
         intermediate_size=1408,
-        num_hidden_layers=ARGS.layers,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         vocab_size=32000,
         initializer_range=ARGS.init_range,
         max_position_embeddings=4096,
+        **extra,
     )
     cfg.head_dim = 64
     if getattr(cfg, "sliding_window", None):
         cfg.sliding_window = WINDOW
-    if arch.startswith("Gemma"):  # three local layers to a global one
-        cfg.layer_types = [
-            "full_attention" if i % 4 == 3 else "sliding_attention"
-            for i in range(cfg.num_hidden_layers)
-        ]
-    if arch == "Qwen2ForCausalLM":  # Qwen2's windows start above max_window_layers
-        cfg.max_window_layers = 2
-        cfg.layer_types = [
-            "full_attention" if i < 2 else "sliding_attention" for i in range(cfg.num_hidden_layers)
-        ]
     if getattr(cfg, "attn_logit_softcapping", None):  # Gemma 2's own caps
         cfg.attn_logit_softcapping, cfg.final_logit_softcapping = 50.0, 30.0
     if hasattr(cfg, "mlp_only_layers") and cfg.mlp_only_layers:
@@ -88,7 +90,7 @@ def loom_generate(path: str, hf, dtype: str, prompts) -> list[list[int]]:
         skip_tokenizer_init=True,
         dtype=dtype,
         cuda_graph_max_bs=8,
-        mem_fraction_static=0.5,
+        max_total_tokens=65536,
     ) as e:
         skip = ["lm_head.weight"] if hf.config.tie_word_embeddings else []
         with torch.inference_mode():  # in place: CUDA graphs keep pointing at the parameters

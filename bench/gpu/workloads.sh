@@ -18,8 +18,8 @@
 #   hfsmol           SmolLM2, 64 x 128 / 256 (HF at batch 64) and batch 1 (HF at batch 1)
 #   arch CONFIG      any architecture's shape (e.g. configs/qwen3-8b.json, configs/mixtral-8x7b.json):
 #                    `loom bench latency` at batch 1 (128 / 256), then 1 x 128 / 256 and
-#                    64 x 128 / 256 beside HF generate() at batch 1 and 64 (HF runs after
-#                    Loom's engine is released, so that a model filling half the GPU fits)
+#                    64 x 128 / 256 beside HF generate() at batch 1 and 64 (the scheduler in
+#                    its own process, which has returned all its memory when HF starts)
 #   archwl CONFIG    the 1000-request random-length workload on CONFIG, HF generate() at batch
 #                    64 on its first 64 requests
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
@@ -41,12 +41,12 @@ hfsmol)
 arch)
   cfg=${3:?usage: bash $0 OUTDIR arch CONFIG}
   latency "$cfg b1 latency" --model "$cfg" --batch-size 1 --input-len 128 --output-len 256
-  offline "$cfg b1 vs hf" --model "$cfg" --num-prompts 1 --input-len 128 --output-len 256 --max-running-requests 1 --compare-hf --hf-batch-size 1
-  offline "$cfg b64 vs hf" --model "$cfg" --num-prompts 64 --input-len 128 --output-len 256 --compare-hf --hf-batch-size 64
+  offline "$cfg b1 vs hf" --model "$cfg" --num-prompts 1 --input-len 128 --output-len 256 --max-running-requests 1 --compare-hf --hf-batch-size 1 --engine-backend process
+  offline "$cfg b64 vs hf" --model "$cfg" --num-prompts 64 --input-len 128 --output-len 256 --compare-hf --hf-batch-size 64 --engine-backend process
   ;;
 archwl)
   cfg=${3:?usage: bash $0 OUTDIR archwl CONFIG}
-  offline "$cfg 1000-random vs hf" --model "$cfg" --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --compare-hf --hf-batch-size 64 --hf-num-prompts 64
+  offline "$cfg 1000-random vs hf" --model "$cfg" --num-prompts 1000 --input-len 1024 --output-len 1024 --random-range-ratio 0.0977 --compare-hf --hf-batch-size 64 --hf-num-prompts 64 --engine-backend process
   ;;
 *)
   unknown_section

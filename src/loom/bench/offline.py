@@ -48,7 +48,8 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
         choices=("thread", "process"),
         default="thread",
         help="process: the scheduler in a process of its own (as `loom serve` runs it), so "
-        "that this process's handling of the outputs does not share its interpreter lock",
+        "that this process's handling of the outputs does not share its interpreter lock, and "
+        "all its device memory is returned before --compare-hf builds HF's model",
     )
     g.add_argument(
         "--request-lora",
@@ -259,15 +260,12 @@ def run_hf(
 
 
 def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
+    from loom.config import ServerArgs
     from loom.engine.engine import Engine
+    from loom.model_executor.model_runner import model_config_for, resolve_device, resolve_dtype
 
     if ns.compare_hf and ns.request_lora:
         raise SystemExit("--compare-hf runs HF's base model: leave out --request-lora")
-    if ns.compare_hf and ns.engine_backend != "thread":
-        raise SystemExit(
-            "--compare-hf builds HF's model from the engine's own weights in this "
-            "process: use --engine-backend thread"
-        )
     with Engine(backend=ns.engine_backend, **server_kwargs) as engine:
         reqs = make_requests(
             ns.num_prompts,
@@ -319,20 +317,15 @@ def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
             result["base"] = {k: v for k, v in base.items() if k != "output_ids"}
             result["lora_vs_base"] = loom["output_tokens_per_s"] / base["output_tokens_per_s"]
             print(f"LoRA / base: {result['lora_vs_base']:.3f}x")
-        hf_setup = None
-        if ns.compare_hf:
-            runner = engine.runner
-            pad = engine.eos_token_ids and min(engine.eos_token_ids) or 0
-            hf_setup = (runner.model_config, runner.loader, runner.device, pad)
-            del runner
-    if hf_setup is not None:
-        # The engine's weights, KV pool and CUDA graphs are released first, so that HF's copy
-        # fits beside nothing (Mixtral-8x7B's 93 GB twice does not fit on one H200).
+        pad = engine.eos_token_ids and min(engine.eos_token_ids) or 0
+    if ns.compare_hf:
+        # HF's model is built once the engine is gone: with the process backend its memory is
+        # all returned (Mixtral-8x7B's 93 GB twice does not fit on one H200).
         del engine
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        cfg, loader, device, pad = hf_setup
+        args = ServerArgs.from_kwargs(**server_kwargs)
+        device = resolve_device(args.device)
+        loader, cfg = model_config_for(args, resolve_dtype(args.dtype, device))
         model = build_hf_model(cfg, loader, device)
         hf_reqs = reqs[: ns.hf_num_prompts] if ns.hf_num_prompts else reqs
         hf = run_hf(model, hf_reqs, ns.hf_batch_size, pad, device)

@@ -19,7 +19,7 @@ from loom.distributed import get_tp_size
 from loom.forward_batch import ForwardBatch, ForwardMode
 from loom.layers.attention.base import AttentionBackend, AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from loom.model_loader.base import DeviceConfig, ModelConfig
+from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader
 from loom.model_loader.model_path import resolve_model_path
 
 if TYPE_CHECKING:
@@ -56,6 +56,30 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def model_config_for(
+    args: ServerArgs, dtype: torch.dtype, loader=None
+) -> tuple[ModelLoader, ModelConfig]:
+    """The loader (``args.load_format``'s unless given) and the model's config as the runner
+    builds the model from them."""
+    if loader is None:
+        loader = plugins.resolve("model_loader", args.load_format)()
+    path = resolve_model_path(args.model)
+    hf_config = loader.load_hf_config(path)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"the model config at {path} names no `architectures`")
+    model_context = getattr(hf_config, "max_position_embeddings", 2048)
+    return loader, ModelConfig(
+        path=path,
+        hf_config=hf_config,
+        dtype=dtype,
+        context_len=args.context_length or model_context,
+        architecture=archs[0],
+        seed=args.random_seed,
+        model_impl=args.model_impl,
+    )
+
+
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, loader=None) -> None:
         args = server_args
@@ -64,25 +88,10 @@ class ModelRunner:
         self.defaults = device_defaults(self.device.type)
         self.dtype = resolve_dtype(args.dtype, self.device)
         torch.manual_seed(args.random_seed)
-        if loader is None:
-            loader = plugins.resolve("model_loader", args.load_format)()
-        self.loader = loader
-        self.model_path = resolve_model_path(args.model)
-        hf_config = loader.load_hf_config(self.model_path)
-        archs = getattr(hf_config, "architectures", None) or []
-        if not archs:
-            raise ValueError(f"the model config at {self.model_path} names no `architectures`")
-        model_context = getattr(hf_config, "max_position_embeddings", 2048)
-        self.model_config = ModelConfig(
-            path=self.model_path,
-            hf_config=hf_config,
-            dtype=self.dtype,
-            context_len=args.context_length or model_context,
-            architecture=archs[0],
-            seed=args.random_seed,
-            model_impl=args.model_impl,
-        )
-        self.vocab_size = hf_config.vocab_size
+        self.loader, self.model_config = model_config_for(args, self.dtype, loader)
+        self.model_path = self.model_config.path
+        loader = self.loader
+        self.vocab_size = self.model_config.hf_config.vocab_size
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
         self.lora_manager = None
         if args.enable_lora:
