@@ -29,6 +29,8 @@ Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how CI tes
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +229,34 @@ def align_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligne
     return AlignedRows(sorted_ids, expert_ids, num_post, block_m)
 
 
+@functools.cache
+def _shared_memory_limit(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None  # Triton's interpreter has no such limit
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return props["max_shared_mem"]
+
+
+def _fit_shared_memory(
+    cfg: GemmConfig, block_m: int, b_tiles: int, elem_size: int, device: torch.device
+) -> GemmConfig:
+    """``cfg`` with fewer pipeline stages, then shallower K tiles, until its buffers fit the
+    device's shared memory: ``num_stages - 1`` copies of one A tile and ``b_tiles`` B tiles
+    (two with SiLU-and-mul: gate and up). The tiles are sized for bf16; fp32 needs twice the
+    bytes (Mixtral's 32-row blocks in fp32 ask 240 KiB of an H200's 227)."""
+    limit = _shared_memory_limit(device)
+    if limit is None:
+        return cfg
+    while True:
+        tile = block_m * cfg.block_k + b_tiles * cfg.block_k * cfg.block_n
+        if (cfg.num_stages - 1) * tile * elem_size <= limit or cfg.block_k <= 16:
+            return cfg
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        else:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+
+
 def _gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -239,6 +269,7 @@ def _gemm(
 ) -> None:
     n = c.shape[1]
     k = a.shape[1]
+    cfg = _fit_shared_memory(cfg, aligned.block_m, 2 if silu_mul else 1, a.element_size(), a.device)
     num_blocks = aligned.expert_ids.numel()
     grid = (num_blocks * triton.cdiv(n, cfg.block_n),)
     _moe_gemm_kernel[grid](
