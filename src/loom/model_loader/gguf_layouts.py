@@ -7,7 +7,8 @@ comes from gguf-py's own table (``gguf.TensorNameMap``, the one the converter na
 with); a layout lists its family's HF checkpoint names and what the converter did to values:
 
 - ``llama`` (Llama; Mistral, which llama.cpp writes as llama; Mixtral, llama with experts): q and
-  k rows permuted into llama.cpp's rotary order. No other family is permuted.
+  k rows permuted into llama.cpp's rotary order (no other family is permuted); Llama 3's rope
+  scaling written as per-frequency divisors (``rope_freqs``), read back into HF's parameters.
 - ``gemma2``, ``gemma3``: every RMSNorm weight (q/k norms included) stored as ``w + 1``; HF's
   and Loom's Gemma norms scale by ``1 + w``, so 1 is subtracted.
 - ``qwen2moe``, ``qwen3moe`` and Mixtral: each layer's experts stacked into one ``[E, out, in]``
@@ -234,6 +235,44 @@ def _nothing_more(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _llama(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    # Llama 3's rope scaling reaches the file only as one divisor per frequency (rope_freqs)
+    divisors = meta.tensor("rope_freqs.weight")
+    if divisors is None or float(divisors.max()) <= 1.0:
+        return {}
+    theta = base["rope_parameters"]["rope_theta"]
+    return {"rope_parameters": _llama3_rope(divisors, theta, base["head_dim"])}
+
+
+def _llama3_rope(divisors: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
+    """HF's llama3 rope parameters that give these per-frequency divisors. Between the
+    unscaled and the fully scaled (``factor``) frequencies, 1/divisor = (1 - s)/factor + s with
+    s = (orig / wavelength - low) / (high - low): linear in 1/wavelength, so two such
+    frequencies fix it; with ``low_freq_factor`` 1 (Llama 3's), that gives ``orig`` and
+    ``high`` (rounded: the divisors are float32). Without two, Llama 3's values are taken."""
+    factor = float(divisors.max())
+    wavelength = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    s = (1 / divisors - 1 / factor) / (1 - 1 / factor)
+    between = (divisors > 1 + 1e-4) & (divisors < factor * (1 - 1e-4))
+    original, high = 8192, 4.0
+    if between.sum() >= 2:
+        # slope = orig / (high - 1), intercept = -1 / (high - 1)
+        slope, intercept = np.polyfit(1 / wavelength[between], s[between], 1)
+        original = round(float(slope / -intercept))
+        high = round(1 + original / float(slope), 3)
+    smooth = np.clip((original / wavelength - 1) / (high - 1), 0.0, 1.0)
+    if np.abs((1 - smooth) / factor + smooth - 1 / divisors).max() > 1e-3:
+        logger.warning("rope_freqs are not Llama 3's rope scaling; rotary positions will differ")
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+
+
 def _qwen2(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
     # llama.cpp's qwen2 attends in full: a sliding window never reaches the file
     return {"use_sliding_window": False}
@@ -350,7 +389,7 @@ LAYOUTS: dict[str, Layout] = {
         "llama",
         "LlamaForCausalLM",
         _LLAMA_NAMES,
-        _nothing_more,
+        _llama,
         permuted_qk=True,
         with_experts=Layout(
             gguf.MODEL_ARCH.LLAMA,

@@ -185,6 +185,20 @@ def gguf_tensors(arch: str, model: nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
+def _llama3_rope_divisors(config: Any) -> np.ndarray:
+    """Llama 3's rope scaling as the converter writes it: one divisor per frequency."""
+    rope = _rope(config)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    wavelength = 2 * np.pi * rope["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+    original, low, high = (
+        rope["original_max_position_embeddings"],
+        rope["low_freq_factor"],
+        rope["high_freq_factor"],
+    )
+    smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    return (1 / ((1 - smooth) / rope["factor"] + smooth)).astype(np.float32)
+
+
 def write_gguf(path: str, arch: str, model: nn.Module, vocab: Vocab) -> None:
     """Write ``model`` (an HF model whose vocabulary is ``vocab``'s) to ``path`` as llama.cpp's
     converter writes GGUF architecture ``arch`` at F32."""
@@ -197,6 +211,12 @@ def write_gguf(path: str, arch: str, model: nn.Module, vocab: Vocab) -> None:
     _write_vocab(w, vocab)
     for name, data in gguf_tensors(arch, model).items():
         w.add_tensor(name, data)
+    rope = _rope(model.config)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_divisors(model.config))
+    if rope.get("rope_type") == "longrope":  # Phi-3's long-context factors
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.float32(rope[f"{kind}_factor"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
