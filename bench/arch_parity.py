@@ -7,7 +7,7 @@ Each architecture's tiny test config (``loom.testing.TINY_ARCHITECTURES``: slidi
 soft-caps that bind) widened to 8 layers of width 512 with a 32,000-token vocabulary and peaked
 random weights (init range 0.05: wider ones make 8 random layers chaotic, so that HF's own bf16
 agrees with its fp32 on fewer tokens), windows of 64 tokens against
-prompts of 96-160. HF runs eager attention (its sdpa path leaves soft-caps out). Per
+prompts of 96-160. HF runs eager attention (the one that applies every architecture's caps). Per
 architecture, one JSON line:
 
 - ``fp32_top1_vs_hf``: Loom fp32 (default backend) greedy tokens, HF fp32 teacher-forced on them;
@@ -19,6 +19,7 @@ architecture, one JSON line:
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -79,7 +80,10 @@ def hf_model(cfg, dtype: torch.dtype, attn: str = "eager"):
 
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+        # a copy: the model keeps its config object and reads the attention choice from it
+        model = AutoModelForCausalLM.from_config(
+            copy.deepcopy(cfg), dtype=dtype, attn_implementation=attn
+        )
     return model.eval()
 
 
