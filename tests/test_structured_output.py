@@ -88,6 +88,65 @@ def test_reasoner_matcher_states(engine):
     assert torch.equal(row, other)
 
 
+def test_reasoner_start_state_follows_the_prompt(engine):
+    """With a preset, a prompt whose tail opened the thoughts starts them; any other prompt
+    lets the output choose: the think-start ids open them, any other first token is the
+    grammar's (and the mask allows both)."""
+    from loom.constrained.reasoner import ReasonerBackend
+
+    tok = engine.tokenizer
+    b = ReasonerBackend(
+        tok, engine.vocab_size, sorted(engine.eos_token_ids), reasoning_parser="qwen3"
+    )
+    compiled = b.compile("regex", "[0-9]+")
+    digit = tok.encode("7", add_special_tokens=False)[0]
+    letter = tok.encode("abc", add_special_tokens=False)[0]
+    start = b.start_ids
+
+    def allowed(m):
+        mask = b.allocate_vocab_mask(1)
+        b.reset_vocab_mask(mask)
+        m.fill_vocab_mask(mask, 0)
+        bits = mask[0].to(torch.int64) & 0xFFFFFFFF
+        return lambda t: bool((int(bits[t // 32]) >> (t % 32)) & 1)
+
+    inside = b.matcher_for(compiled, tok.encode("<|im_start|>assistant\n<think>\n"))
+    assert allowed(inside)(letter)  # thinking: free
+    assert inside.accept_token(letter) and not inside.is_terminated()
+
+    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for prompt in (closed, tok.encode("<|im_start|>assistant\n")):
+        m = b.matcher_for(compiled, prompt)
+        ok = allowed(m)
+        assert ok(digit) and ok(start[0]) and not ok(letter)
+        assert not m.accept_token(letter)
+        answer = m.copy()
+        assert answer.accept_token(digit) and not answer.accept_token(letter)  # the grammar
+        for t in start:  # the output opens its thoughts
+            assert m.accept_token(t)
+        assert m.accept_token(letter)  # free
+        for t in b.end_ids:
+            assert m.accept_token(t)
+        assert not m.accept_token(letter) and m.accept_token(digit)
+        m.rollback(len(start) + 1 + len(b.end_ids) + 1)  # back to the undecided start
+        assert allowed(m)(start[0]) and m.accept_token(digit)
+
+
+def test_reasoning_parser_wraps_the_grammar_backend():
+    """--reasoning-parser alone puts the reasoner around the default backend: a prompt that
+    opened no thoughts is constrained from the first token; one that did is free until the
+    think-end."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with loom.Engine(reasoning_parser="qwen3", max_total_tokens=8192) as e:
+        plain = chat_ids(e, "Give me a JSON object.")
+        thinking = plain + e.tokenizer.encode("<think>\n", add_special_tokens=False)
+        params = {"max_new_tokens": 24, "temperature": 0, "json_schema": json.dumps(schema)}
+        outs = e.generate(input_ids=[plain, thinking], sampling_params=params)
+        free = e.generate(input_ids=thinking, sampling_params={**params, "json_schema": None})
+    _validate(outs[0]["text"], schema)
+    assert outs[1]["output_ids"] == free["output_ids"]
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_json_schemas_validate_in_a_mixed_batch(gengine, free_reference, mode):
     e = gengine

@@ -330,7 +330,9 @@ class GrammarArgs:
     reasoning_parser: str | None = field(
         default=None,
         metadata=_arg(
-            "Reasoning model preset (its think-end token): deepseek-r1, qwen3, glm45, kimi.",
+            "Reasoning model preset (its think markers): chat answers carry the thoughts in "
+            "reasoning_content, and structured output applies after them (the grammar "
+            "backend is wrapped in the reasoner).",
             choices=("deepseek-r1", "qwen3", "glm45", "kimi"),
         ),
     )

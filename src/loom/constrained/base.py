@@ -75,6 +75,11 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
 
+    def matcher_for(self, compiled: Any, prompt_ids: list[int]) -> GrammarMatcher:
+        """The matcher of a request whose prompt is ``prompt_ids`` (the scheduler's call; a
+        backend whose start state depends on the prompt overrides it)."""
+        return self.matcher(compiled)
+
     @abstractmethod
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         """A host bitmask for ``batch_size`` rows (int32, 32 tokens per word), all allowed."""

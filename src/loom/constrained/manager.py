@@ -80,14 +80,18 @@ def build_grammar_backend(
     args: Any, tokenizer: Any, vocab_size: int, stop_token_ids
 ) -> GrammarBackend:
     """The backend ``args.grammar_backend`` names (``args``: the grammar section of the server
-    arguments), with the reasoner's options when it is one."""
+    arguments), with the reasoner's options when it is one. With ``--reasoning-parser`` the
+    named backend is wrapped in the reasoner, so that constraints apply after the thoughts."""
     from loom import plugins
 
-    cls = plugins.resolve("grammar_backend", args.grammar_backend)
+    name, inner = args.grammar_backend, args.reasoner_grammar_backend
+    if args.reasoning_parser and name not in ("reasoner", "none"):
+        name, inner = "reasoner", args.grammar_backend
+    cls = plugins.resolve("grammar_backend", name)
     options: dict[str, Any] = {}
-    if args.grammar_backend == "reasoner":
+    if name == "reasoner":
         options = dict(
-            inner=args.reasoner_grammar_backend,
+            inner=inner,
             think_end_token=args.think_end_token,
             reasoning_parser=args.reasoning_parser,
             think_budget=args.think_budget,

@@ -77,7 +77,7 @@ class GrammarQueue:
             fut = req.grammar_future
             if fut.done():
                 try:
-                    req.grammar = self.backend.matcher(fut.result())
+                    req.grammar = self.backend.matcher_for(fut.result(), req.origin_input_ids)
                 except Exception as e:  # noqa: BLE001 - GrammarError or the library's own
                     failed.append((req, f"grammar compilation failed: {e}"))
                     continue

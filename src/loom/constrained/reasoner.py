@@ -15,13 +15,7 @@ import torch
 
 from loom import plugins
 from loom.constrained.base import GrammarBackend, GrammarMatcher
-
-REASONING_PARSERS = {
-    "deepseek-r1": "</think>",
-    "qwen3": "</think>",
-    "glm45": "</think>",
-    "kimi": "◁/think▷",
-}
+from loom.reasoning import REASONING_FORMATS, ReasoningFormat, starts_in_reasoning
 
 
 def set_only_token(mask: torch.Tensor, row: int, token: int) -> None:
@@ -37,30 +31,57 @@ class _State:
     thought: int = 0  # tokens accepted while thinking
     forced: int = -1  # >= 0: how many think-end ids have been forced so far
     recent: list[int] = field(default_factory=list)
+    # >= 0: the output has not shown yet whether it thinks (the prompt opened no thoughts);
+    # this many ids of the think-start sequence have been accepted
+    opening: int = -1
+
+    def copy(self) -> _State:
+        return _State(self.thinking, self.thought, self.forced, list(self.recent), self.opening)
 
 
 class ReasonerMatcher(GrammarMatcher):
-    def __init__(self, inner: GrammarMatcher, end_ids: list[int], budget: int | None) -> None:
+    """Free while thinking, the inner matcher after. Started inside the thoughts (the prompt
+    opened them), or "opening" (``start_ids`` given): then the output thinks only if it begins
+    with the think-start ids, and any other first token is the inner grammar's."""
+
+    def __init__(
+        self,
+        inner: GrammarMatcher,
+        end_ids: list[int],
+        budget: int | None,
+        start_ids: list[int] | None = None,
+    ) -> None:
         self.inner = inner
         self.end_ids = end_ids
         self.budget = budget
-        self.state = _State(forced=0 if budget == 0 else -1)
+        self.start_ids = start_ids or []
+        if self.start_ids:
+            self.state = _State(thinking=False, opening=0)
+        else:
+            self.state = _State(forced=0 if budget == 0 else -1)
         self.history: list[tuple[_State, bool]] = []  # (state before, went to inner)
-
-    def _snapshot(self) -> _State:
-        s = self.state
-        return _State(s.thinking, s.thought, s.forced, list(s.recent))
 
     def accept_token(self, token_id: int) -> bool:
         s = self.state
+        before = s.copy()
+        if s.opening >= 0:
+            if token_id == self.start_ids[s.opening]:
+                s.opening += 1
+                if s.opening == len(self.start_ids):
+                    s.opening, s.thinking = -1, True
+                    s.forced = 0 if self.budget == 0 else -1
+                self.history.append((before, False))
+                return True
+            s.opening = -1  # not thinking: this token is the answer's first
         if not s.thinking:
             if not self.inner.accept_token(token_id):
+                self.state = before
                 return False
-            self.history.append((None, True))
+            self.history.append((before, True))
             return True
         if s.forced >= 0 and token_id != self.end_ids[s.forced]:
             return False
-        self.history.append((self._snapshot(), False))
+        self.history.append((before, False))
         s.thought += 1
         if s.forced >= 0:
             s.forced += 1
@@ -75,31 +96,35 @@ class ReasonerMatcher(GrammarMatcher):
         inner = 0
         for _ in range(num_tokens):
             before, to_inner = self.history.pop()
-            if to_inner:
-                inner += 1
-            else:
-                self.state = before
+            inner += to_inner
+            self.state = before
         if inner:
             self.inner.rollback(inner)
 
     def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
         s = self.state
-        if not s.thinking:
+        if s.opening > 0:
+            set_only_token(mask, row, self.start_ids[s.opening])
+        elif s.opening == 0:  # the answer's first token, or the start of the thoughts
+            self.inner.fill_vocab_mask(mask, row)
+            token = self.start_ids[0]
+            bit = 1 << (token % 32)
+            word = int(mask[row, token // 32]) & 0xFFFFFFFF | bit
+            mask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+        elif not s.thinking:
             self.inner.fill_vocab_mask(mask, row)
         elif s.forced >= 0:
             set_only_token(mask, row, self.end_ids[s.forced])
         # thinking freely: the row stays all-allowed
 
     def is_terminated(self) -> bool:
-        return not self.state.thinking and self.inner.is_terminated()
+        s = self.state
+        return not s.thinking and s.opening < 0 and self.inner.is_terminated()
 
     def copy(self) -> ReasonerMatcher:
-        other = ReasonerMatcher(self.inner.copy(), self.end_ids, self.budget)
-        other.state = self._snapshot()
-        other.history = [
-            (None if b is None else _State(b.thinking, b.thought, b.forced, list(b.recent)), t)
-            for b, t in self.history
-        ]
+        other = ReasonerMatcher(self.inner.copy(), self.end_ids, self.budget, self.start_ids)
+        other.state = self.state.copy()
+        other.history = [(b.copy(), t) for b, t in self.history]
         return other
 
 
@@ -118,15 +143,23 @@ class ReasonerBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, stop_token_ids, **options)
         if inner == "reasoner":
             raise ValueError("the reasoner backend cannot wrap itself")
-        end = think_end_token or REASONING_PARSERS.get(reasoning_parser or "")
+        fmt = REASONING_FORMATS.get(reasoning_parser or "")
+        end = think_end_token or (fmt.end if fmt is not None else None)
         if not end:
             raise ValueError(
                 "--grammar-backend reasoner needs --think-end-token or --reasoning-parser "
-                f"({', '.join(REASONING_PARSERS)})"
+                f"({', '.join(REASONING_FORMATS)})"
             )
         self.end_ids = tokenizer.encode(end, add_special_tokens=False)
         if not self.end_ids:
             raise ValueError(f"think-end token {end!r} encodes to no tokens")
+        # With a preset, a prompt that opened no thoughts lets the output choose (its first
+        # token); with --think-end-token alone the output is taken to start in its thoughts.
+        self.tokenizer = tokenizer
+        self.format = ReasoningFormat(fmt.start, end) if fmt is not None else None
+        self.start_ids = (
+            tokenizer.encode(fmt.start, add_special_tokens=False) if fmt is not None else []
+        )
         self.budget = think_budget
         self.inner = plugins.resolve("grammar_backend", inner)(
             tokenizer, vocab_size, stop_token_ids, **options
@@ -137,6 +170,16 @@ class ReasonerBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return ReasonerMatcher(self.inner.matcher(compiled), self.end_ids, self.budget)
+
+    def matcher_for(self, compiled: Any, prompt_ids: list[int]) -> GrammarMatcher:
+        """Inside the thoughts from the start when the prompt's tail opened them (the chat
+        template did: DeepSeek-R1, Qwen3's thinking variants); else the output chooses."""
+        opening = None
+        if self.format is not None and self.start_ids:
+            tail = self.tokenizer.decode(prompt_ids[-64:])
+            if not starts_in_reasoning(self.format, tail):
+                opening = self.start_ids
+        return ReasonerMatcher(self.inner.matcher(compiled), self.end_ids, self.budget, opening)
 
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         return self.inner.allocate_vocab_mask(batch_size)
