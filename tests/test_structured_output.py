@@ -88,48 +88,68 @@ def test_reasoner_matcher_states(engine):
     assert torch.equal(row, other)
 
 
+def _allowed(backend, matcher):
+    mask = backend.allocate_vocab_mask(1)
+    backend.reset_vocab_mask(mask)
+    matcher.fill_vocab_mask(mask, 0)
+    bits = mask[0].to(torch.int64) & 0xFFFFFFFF
+    return lambda t: bool((int(bits[t // 32]) >> (t % 32)) & 1)
+
+
 def test_reasoner_start_state_follows_the_prompt(engine):
     """With a preset, a prompt whose tail opened the thoughts starts them; any other prompt
-    lets the output choose: the think-start ids open them, any other first token is the
-    grammar's (and the mask allows both)."""
+    lets the output choose where the think-start marker is one token (as Qwen3's is): that
+    token opens them, any other first token is the grammar's (and the mask allows both)."""
+    import copy
+
+    from loom.constrained.reasoner import ReasonerBackend
+
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    b = ReasonerBackend(tok, len(tok), sorted(engine.eos_token_ids), reasoning_parser="qwen3")
+    compiled = b.compile("regex", "[0-9]+")
+    digit = tok.encode("7", add_special_tokens=False)[0]
+    letter = tok.encode("abc", add_special_tokens=False)[0]
+    (start,) = b.start_ids
+
+    inside = b.matcher_for(compiled, tok.encode("<|im_start|>assistant\n<think>\n"))
+    assert _allowed(b, inside)(letter)  # thinking: free
+    assert inside.accept_token(letter) and not inside.is_terminated()
+
+    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for prompt in (closed, tok.encode("<|im_start|>assistant\n")):
+        m = b.matcher_for(compiled, prompt)
+        ok = _allowed(b, m)
+        assert ok(digit) and ok(start) and not ok(letter)
+        assert not m.accept_token(letter)
+        answer = m.copy()
+        assert answer.accept_token(digit) and not answer.accept_token(letter)  # the grammar
+        assert m.accept_token(start)  # the output opens its thoughts
+        assert m.accept_token(letter)  # free
+        for t in b.end_ids:
+            assert m.accept_token(t)
+        assert not m.accept_token(letter) and m.accept_token(digit)
+        m.rollback(1 + 1 + len(b.end_ids) + 1)  # back to the undecided start
+        assert _allowed(b, m)(start) and m.accept_token(digit)
+
+
+def test_reasoner_with_a_multi_token_start_marker(engine):
+    """Where "<think>" is several tokens, a prompt that opened no thoughts is the answer from
+    its first token: the marker's first id ("<") is not let through for it."""
     from loom.constrained.reasoner import ReasonerBackend
 
     tok = engine.tokenizer
     b = ReasonerBackend(
         tok, engine.vocab_size, sorted(engine.eos_token_ids), reasoning_parser="qwen3"
     )
+    assert len(tok.encode("<think>", add_special_tokens=False)) > 1 and b.start_ids == []
     compiled = b.compile("regex", "[0-9]+")
-    digit = tok.encode("7", add_special_tokens=False)[0]
-    letter = tok.encode("abc", add_special_tokens=False)[0]
-    start = b.start_ids
-
-    def allowed(m):
-        mask = b.allocate_vocab_mask(1)
-        b.reset_vocab_mask(mask)
-        m.fill_vocab_mask(mask, 0)
-        bits = mask[0].to(torch.int64) & 0xFFFFFFFF
-        return lambda t: bool((int(bits[t // 32]) >> (t % 32)) & 1)
-
+    m = b.matcher_for(compiled, tok.encode("<|im_start|>assistant\n"))
+    first = tok.encode("<think>", add_special_tokens=False)[0]
+    assert not _allowed(b, m)(first) and not m.accept_token(first)
+    assert m.accept_token(tok.encode("7", add_special_tokens=False)[0])
     inside = b.matcher_for(compiled, tok.encode("<|im_start|>assistant\n<think>\n"))
-    assert allowed(inside)(letter)  # thinking: free
-    assert inside.accept_token(letter) and not inside.is_terminated()
-
-    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    for prompt in (closed, tok.encode("<|im_start|>assistant\n")):
-        m = b.matcher_for(compiled, prompt)
-        ok = allowed(m)
-        assert ok(digit) and ok(start[0]) and not ok(letter)
-        assert not m.accept_token(letter)
-        answer = m.copy()
-        assert answer.accept_token(digit) and not answer.accept_token(letter)  # the grammar
-        for t in start:  # the output opens its thoughts
-            assert m.accept_token(t)
-        assert m.accept_token(letter)  # free
-        for t in b.end_ids:
-            assert m.accept_token(t)
-        assert not m.accept_token(letter) and m.accept_token(digit)
-        m.rollback(len(start) + 1 + len(b.end_ids) + 1)  # back to the undecided start
-        assert allowed(m)(start[0]) and m.accept_token(digit)
+    assert inside.accept_token(first)
 
 
 def test_reasoning_parser_wraps_the_grammar_backend():
@@ -230,14 +250,14 @@ def test_bad_constraints_are_refused_and_the_engine_keeps_serving(gengine):
 
 
 def test_response_format_through_the_http_parser():
+    from loom.server.chat_routes import parse_chat
     from loom.server.errors import APIError
-    from loom.server.protocol import parse_chat
 
     msgs = [{"role": "user", "content": "hi"}]
-    req, _ = parse_chat({"messages": msgs, "response_format": {"type": "json_object"}})
+    req = parse_chat({"messages": msgs, "response_format": {"type": "json_object"}}).req
     assert json.loads(req.sampling["json_schema"]) == {"type": "object"}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    req, _ = parse_chat(
+    req = parse_chat(
         {
             "messages": msgs,
             "response_format": {
@@ -245,9 +265,9 @@ def test_response_format_through_the_http_parser():
                 "json_schema": {"name": "x", "schema": schema},
             },
         }
-    )
+    ).req
     assert json.loads(req.sampling["json_schema"]) == schema
-    req, _ = parse_chat({"messages": msgs, "regex": "[a-z]+"})
+    req = parse_chat({"messages": msgs, "regex": "[a-z]+"}).req
     assert req.sampling["regex"] == "[a-z]+"
     for body in (
         {"response_format": {"type": "json_schema"}},

@@ -65,6 +65,15 @@ BUILTINS: dict[str, dict[str, str]] = {
         "thinking_budget": "loom.sampling.logits_processor:ThinkingBudgetProcessor",
         "no_repeat_ngram": "loom.sampling.logits_processor:NoRepeatNGramProcessor",
     },
+    "tool_call_parser": {
+        "hermes": "loom.function_call.formats:HermesParser",
+        "llama3": "loom.function_call.formats:Llama3Parser",
+        "mistral": "loom.function_call.formats:MistralParser",
+        "pythonic": "loom.function_call.pythonic:PythonicParser",
+        # SGLang's names for the hermes format of Qwen2.5 / Qwen3
+        "qwen": "loom.function_call.formats:HermesParser",
+        "qwen25": "loom.function_call.formats:HermesParser",
+    },
 }
 
 # Optional modules a built-in needs; `loom plugins` reports whether they are importable.

@@ -106,6 +106,13 @@ FAMILIES: dict[str, Family] = {
             "fcfs",
             "Order of the waiting queue.",
         ),
+        Family(
+            "tool_call_parser",
+            "loom.function_call.base:ToolCallParser",
+            "--tool-call-parser",
+            "auto",
+            "Tool-call formats models write, found in chat completions' output.",
+        ),
     ]
 }
 

@@ -7,11 +7,11 @@ What the engine learns at start-up (EOS ids, the number of KV pages, the resolve
 engine state, kept elsewhere; these objects never change after construction.
 """
 
+from loom.config.http_args import HTTPArgs
 from loom.config.sections import (
     DEFAULT_MODEL,
     CacheArgs,
     GrammarArgs,
-    HTTPArgs,
     KernelArgs,
     LoRAArgs,
     ModelArgs,

@@ -58,6 +58,13 @@ class ModelArgs:
     tokenizer_path: str | None = field(
         default=None, metadata=_arg("Tokenizer directory, if it differs from the model's.")
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_arg(
+            "A Jinja chat template replacing the tokenizer's: a file's path, or the template "
+            "itself."
+        ),
+    )
     load_format: str = field(
         default="auto", metadata=_arg("How to load weights.", family="model_loader")
     )
@@ -432,51 +439,3 @@ class KernelArgs:
     def __post_init__(self) -> None:
         _positive(self, "cuda_graph_max_bs")
         _positive(self, "piecewise_cuda_graph_max_tokens")
-
-
-@dataclass(frozen=True)
-class HTTPArgs:
-    """The HTTP server (``loom serve``) and logging."""
-
-    host: str = field(default="127.0.0.1", metadata=_arg("Address the HTTP server listens on."))
-    port: int = field(default=30000, metadata=_arg("Port of the HTTP server."))
-    api_key: str | None = field(
-        default=None,
-        metadata=_arg("Require `Authorization: Bearer <key>` on every route but /health."),
-    )
-    served_model_name: str | None = field(
-        default=None, metadata=_arg("Model name clients use in the OpenAI API (default: --model).")
-    )
-    disable_metrics: bool = field(
-        default=False, metadata=_arg("Turn off the Prometheus /metrics route.")
-    )
-    incremental_streaming_output: bool = field(
-        default=False,
-        metadata=_arg(
-            "Streamed /generate chunks carry only the new text and output_ids; without it each "
-            "chunk carries everything so far (SGLang's default). OpenAI streams are always "
-            "deltas."
-        ),
-    )
-    max_request_body_mb: float = field(
-        default=64.0,
-        metadata=_arg("Largest request body accepted, in MiB (a larger one is answered 413)."),
-    )
-    max_queued_requests: int | None = field(
-        default=None,
-        metadata=_arg(
-            "Reject requests with 503 while this many are waiting to start (default: no limit)."
-        ),
-    )
-    log_level: str = field(
-        default="warning",
-        metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")),
-    )
-
-    def __post_init__(self) -> None:
-        _check_choices(self)
-        _positive(self, "max_queued_requests")
-        if self.max_request_body_mb <= 0:
-            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -1,4 +1,4 @@
-"""``ServerArgs`` (the frozen sections of ``sections.py``, built from flat flag-named keyword
+"""``ServerArgs`` (the frozen sections of ``sections.py`` and ``http_args.py``, built from flat flag-named keyword
 arguments), the CLI generated from the sections, and the device-dependent defaults."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from loom.config.http_args import HTTPArgs
 from loom.config.sections import (
     CacheArgs,
     GrammarArgs,
-    HTTPArgs,
     KernelArgs,
     LoRAArgs,
     ModelArgs,

@@ -40,9 +40,10 @@ class _State:
 
 
 class ReasonerMatcher(GrammarMatcher):
-    """Free while thinking, the inner matcher after. Started inside the thoughts (the prompt
-    opened them), or "opening" (``start_ids`` given): then the output thinks only if it begins
-    with the think-start ids, and any other first token is the inner grammar's."""
+    """Free while thinking, the inner matcher after. ``start_ids`` None: started inside the
+    thoughts (the prompt opened them); given: "opening", the output thinks only if it begins
+    with the think-start ids, any other first token being the inner grammar's; empty: the
+    answer from the first token."""
 
     def __init__(
         self,
@@ -57,6 +58,8 @@ class ReasonerMatcher(GrammarMatcher):
         self.start_ids = start_ids or []
         if self.start_ids:
             self.state = _State(thinking=False, opening=0)
+        elif start_ids is not None:  # [] : the answer from the first token
+            self.state = _State(thinking=False)
         else:
             self.state = _State(forced=0 if budget == 0 else -1)
         self.history: list[tuple[_State, bool]] = []  # (state before, went to inner)
@@ -157,9 +160,11 @@ class ReasonerBackend(GrammarBackend):
         # token); with --think-end-token alone the output is taken to start in its thoughts.
         self.tokenizer = tokenizer
         self.format = ReasoningFormat(fmt.start, end) if fmt is not None else None
-        self.start_ids = (
-            tokenizer.encode(fmt.start, add_special_tokens=False) if fmt is not None else []
-        )
+        # The output may open its thoughts only where the start marker is one token (Qwen3's,
+        # DeepSeek-R1's): allowing the first of several ids ("<") would let any answer that
+        # begins with it be taken for thoughts.
+        start_ids = tokenizer.encode(fmt.start, add_special_tokens=False) if fmt else []
+        self.start_ids = start_ids if len(start_ids) == 1 else []
         self.budget = think_budget
         self.inner = plugins.resolve("grammar_backend", inner)(
             tokenizer, vocab_size, stop_token_ids, **options
@@ -175,7 +180,7 @@ class ReasonerBackend(GrammarBackend):
         """Inside the thoughts from the start when the prompt's tail opened them (the chat
         template did: DeepSeek-R1, Qwen3's thinking variants); else the output chooses."""
         opening = None
-        if self.format is not None and self.start_ids:
+        if self.format is not None:
             tail = self.tokenizer.decode(prompt_ids[-64:])
             if not starts_in_reasoning(self.format, tail):
                 opening = self.start_ids

@@ -30,12 +30,7 @@ from loom.engine.tokenizer_manager import (
     TokenizerManager,
     eos_token_ids,
 )
-from loom.engine.validation import (
-    ConstraintChecker,
-    check_lora,
-    logprob_options,
-    prepare_request,
-)
+from loom.engine.validation import ConstraintChecker, check_lora, prepare_request
 from loom.sampling.sampling_params import SamplingParams
 from loom.scheduler.messages import (
     Abort,
@@ -104,7 +99,9 @@ class Engine:
             raise ValueError(f"backend must be 'thread' or 'process', got {backend!r}")
         self.info = self.backend.info
         if tokenizer is not None:
-            self.tokenizer_manager = TokenizerManager(tokenizer, self.context_len)
+            self.tokenizer_manager = TokenizerManager(
+                tokenizer, self.context_len, args.chat_template
+            )
         # applies outputs to their requests on the caller's side (``outputs.OutputConsumer``)
         self._consume = OutputConsumer(
             self.tokenizer, self.abort_request, self.router.forget, self.profile
@@ -217,10 +214,13 @@ class Engine:
         outputs: queue.Queue | None = None,
         batch: list[GenerateRequest] | None = None,
         lora: str | None = None,
+        logprob_text: bool = True,
+        prompt_ids: bool = False,
     ) -> ReqState:
         """``outputs``: a queue shared with other requests of a batch (``wait_all``), which
         receives lists of outputs. ``batch``: collect the request there for ``_send`` instead
-        of sending it now."""
+        of sending it now. ``logprob_text``: logprob entries carry their token's text;
+        ``prompt_ids``: results carry ``prompt_token_ids``."""
         self._check_alive()
         rid = rid or uuid.uuid4().hex
         detok = None
@@ -234,6 +234,8 @@ class Engine:
             loop,
             detok,
             shared=outputs is not None,
+            logprob_text=logprob_text,
+            prompt_ids=list(input_ids) if prompt_ids else None,
         )
         self.router.register(st)
         req = GenerateRequest(rid, input_ids, params, priority or 0, extra_key, lora, *logprob)
@@ -270,8 +272,9 @@ class Engine:
         self._send(reqs)
         return states
 
-    def _submit_all(self, rows, lp, loop=None, shared=None) -> list[ReqState]:
-        """Submit ``_fan_out``'s rows in one message to the scheduler."""
+    def _submit_all(self, rows, loop=None, shared=None, **options) -> list[ReqState]:
+        """Submit ``fan_out``'s rows in one message to the scheduler (``options``: ``_submit``'s
+        ``logprob_text`` and ``prompt_ids``)."""
 
         def submit(reqs: list[GenerateRequest]) -> list[ReqState]:
             return [
@@ -286,8 +289,9 @@ class Engine:
                     outputs=shared,
                     batch=reqs,
                     lora=lo,
+                    **options,
                 )
-                for ids, p, r, pr, k, lo in rows
+                for ids, p, r, pr, k, lo, lp in rows
             ]
 
         return self._submit_batch(submit)
@@ -337,10 +341,14 @@ class Engine:
         stream: bool = False,
         priority: int | list[int] | None = None,
         extra_key: str | list[str] | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
+        logprob_start_len: int | list[int] = -1,
         lora_path: str | list[str | None] | None = None,
+        custom_logit_processor: str | list[str | None] | None = None,
+        *,
+        return_text_in_logprobs: bool = True,
+        return_prompt_token_ids: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a list (a list of dicts, in order).
 
@@ -350,19 +358,25 @@ class Engine:
         ``priority`` (higher is scheduled first under ``--schedule-policy priority`` and kept
         longer by ``--radix-eviction-policy priority``) and ``extra_key`` (a prefix-cache
         namespace such as a ``cache_salt``: requests with different keys share no cached KV)
-        take one value or, for a batch, one per prompt; so does ``lora_path``, the name of a
-        LoRA adapter from ``--lora-paths`` (None: the base model).
+        take one value or, for a batch, one per prompt; so do ``lora_path``, the name of a
+        LoRA adapter from ``--lora-paths`` (None: the base model), the logprob options, and
+        ``custom_logit_processor``: a processor installed on the server by name, or SGLang's
+        serialised ``CustomLogitProcessor.to_str()`` (only with
+        ``--enable-custom-logit-processor``). ``return_text_in_logprobs=False`` gives None in
+        place of each logprob entry's text (SGLang's default); ``return_prompt_token_ids``
+        adds the prompt's ids to each result (``prompt_token_ids``).
         """
-        lp = logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
-        options = (sampling_params, rid, priority, extra_key, lora_path)
-        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options)
+        lp = (return_logprob, top_logprobs_num, logprob_start_len)
+        options = (sampling_params, rid, priority, extra_key, lora_path, custom_logit_processor)
+        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options, lp)
+        out = {"logprob_text": return_text_in_logprobs, "prompt_ids": return_prompt_token_ids}
         if not many:
-            st = self._submit_all(rows, lp)[0]
+            st = self._submit_all(rows, **out)[0]
             return self._stream(st) if stream else self._wait(st)
         if stream:
             raise ValueError("stream=True takes a single prompt with n=1")
         shared: queue.Queue = queue.Queue()
-        return wait_all(self._submit_all(rows, lp, shared=shared), shared, self._consume.one)
+        return wait_all(self._submit_all(rows, shared=shared, **out), shared, self._consume.one)
 
     # ---- LoRA adapters while serving ------------------------------------------------------
 
@@ -404,19 +418,24 @@ class Engine:
         stream: bool = False,
         priority: int | list[int] | None = None,
         extra_key: str | list[str] | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
+        logprob_start_len: int | list[int] = -1,
         lora_path: str | list[str | None] | None = None,
+        custom_logit_processor: str | list[str | None] | None = None,
+        *,
+        return_text_in_logprobs: bool = True,
+        return_prompt_token_ids: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]] | list:
         """Like ``generate``, awaited: one prompt (n=1) gives a result, a batch or ``n > 1`` a
         list of results (prompt-major, its samples in order), every request submitted in one
         message. ``stream=True`` returns an async iterator of increments (``text`` is the new
         text, ``output_ids`` the new ids), or for a batch or ``n > 1`` a list of them."""
-        lp = logprob_options(return_logprob, top_logprobs_num, logprob_start_len)
-        options = (sampling_params, rid, priority, extra_key, lora_path)
-        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options)
-        states = self._submit_all(rows, lp, loop=asyncio.get_running_loop())
+        lp = (return_logprob, top_logprobs_num, logprob_start_len)
+        options = (sampling_params, rid, priority, extra_key, lora_path, custom_logit_processor)
+        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options, lp)
+        out = {"logprob_text": return_text_in_logprobs, "prompt_ids": return_prompt_token_ids}
+        states = self._submit_all(rows, loop=asyncio.get_running_loop(), **out)
         if stream:
             streams = [AsyncStream(st, self._consume, self._forget) for st in states]
             return streams if many else streams[0]

@@ -9,36 +9,66 @@ returns its ids and ``SamplingParams``; ``check_lora(name)`` refuses an unknown 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from loom.engine.validation import check_options
+from loom.engine.validation import check_options, logprob_options
+from loom.sampling.limits import ParamError
+from loom.sampling.sampling_params import SamplingParams
+
+# return_logprob, top_logprobs_num, logprob_start_len: one value for every prompt, or a list
+LOGPROB_OPTIONS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
 def fan_out(
-    prepare, check_lora, prompt, input_ids, sampling_params, rid, priority, extra_key, lora_path
+    prepare,
+    check_lora,
+    prompt,
+    input_ids,
+    sampling_params,
+    rid,
+    priority,
+    extra_key,
+    lora_path,
+    custom_logit_processor=None,
+    logprob=(False, 0, -1),
 ) -> tuple[list[tuple], bool]:
     """Every request one call asks for, all validated before any is submitted: each prompt
     of a batch (or the one prompt) times its ``n``. Sample ``i`` of ``n`` is request
     ``{rid}-{i}`` with seed + i when seeded; the scheduler prefills a shared prompt once
-    (identical prompts admitted together wait one step for the first one's KV). Returns
-    the (ids, params, rid, priority, extra_key, lora) rows and whether the call asked for
-    more than one request (its results are then a list)."""
-    batch = _as_batch(prepare, prompt, input_ids, sampling_params, rid)
+    (identical prompts admitted together wait one step for the first one's KV).
+    ``custom_logit_processor`` (SGLang's top-level argument, one or one per prompt) goes into
+    each prompt's sampling parameters; ``logprob`` is (return_logprob, top_logprobs_num,
+    logprob_start_len), each one value or one per prompt. Returns the (ids, params, rid,
+    priority, extra_key, lora, logprob) rows and whether the call asked for more than one
+    request (its results are then a list)."""
+    batch = _as_batch(prepare, prompt, input_ids, sampling_params, rid, custom_logit_processor)
     if batch is None:
-        rows = [(*prepare(prompt, input_ids, sampling_params), rid)]
-        per = [(priority, extra_key, lora_path)]
+        if isinstance(custom_logit_processor, list):
+            raise ParamError(
+                "custom_logit_processor", "custom_logit_processor: a list needs a batch of prompts"
+            )
+        sp = with_processor(sampling_params, custom_logit_processor)
+        rows = [(*prepare(prompt, input_ids, sp), rid)]
+        per = [(priority, extra_key, lora_path, *logprob)]
     else:
         n = len(batch)
-        lists = [v if isinstance(v, list) else [v] * n for v in (priority, extra_key, lora_path)]
+        lists = [
+            v if isinstance(v, list) else [v] * n
+            for v in (priority, extra_key, lora_path, *logprob)
+        ]
         if any(len(v) != n for v in lists):
             raise ValueError(
-                "priority, extra_key and lora_path lists must match the number of prompts"
+                "priority, extra_key, lora_path and logprob option lists must match the number "
+                "of prompts"
             )
         rows, per = batch, list(zip(*lists, strict=True))
-    for pr, k, lo in per:
+    checked = []
+    for pr, k, lo, *lp in per:
         check_options(pr, k)
         check_lora(lo)
+        checked.append((pr, k, lo, logprob_options(*lp)))
     out = []
-    for (ids, params, r), (pr, k, lo) in zip(rows, per, strict=True):
+    for (ids, params, r), (pr, k, lo, lp) in zip(rows, checked, strict=True):
         for i in range(params.n):
             p, ri = params, r
             if params.n > 1:
@@ -46,11 +76,32 @@ def fan_out(
                 if p.sampling_seed is not None:
                     p.sampling_seed = p.sampling_seed + i
                 ri = f"{r}-{i}" if r else None
-            out.append((ids, p, ri, pr, k, lo))
+            out.append((ids, p, ri, pr, k, lo, lp))
     return out, batch is not None or len(out) > 1
 
 
-def _as_batch(prepare, prompt, input_ids, sampling_params, rid):
+def with_processor(sampling_params: Any, processor: Any) -> Any:
+    """``sampling_params`` with ``custom_logit_processor`` set (SGLang takes it beside the
+    sampling parameters; Loom also takes it among them, and refuses two different ones)."""
+    if processor is None:
+        return sampling_params
+    if isinstance(sampling_params, SamplingParams):
+        given = sampling_params.custom_logit_processor
+    elif sampling_params is None or isinstance(sampling_params, dict):
+        given = (sampling_params or {}).get("custom_logit_processor")
+    else:
+        return sampling_params  # (refused by SamplingParams.from_dict)
+    if given is not None and given != processor:
+        raise ParamError(
+            "custom_logit_processor",
+            "custom_logit_processor is given both beside sampling_params and in it, differently",
+        )
+    if isinstance(sampling_params, SamplingParams):
+        return dataclasses.replace(sampling_params, custom_logit_processor=processor)
+    return {**(sampling_params or {}), "custom_logit_processor": processor}
+
+
+def _as_batch(prepare, prompt, input_ids, sampling_params, rid, processor):
     """Validate every item of a batch before submitting any; None for a single request."""
     if isinstance(prompt, list):
         items = [(p, None) for p in prompt]
@@ -60,11 +111,16 @@ def _as_batch(prepare, prompt, input_ids, sampling_params, rid):
         return None
     n = len(items)
     params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-    rids = rid if isinstance(rid, list) else [None] * n
-    if len(params_list) != n or len(rids) != n:
-        raise ValueError("sampling_params and rid lists must match the number of prompts")
+    rids = (
+        rid if isinstance(rid, list) else [None if rid is None else f"{rid}_{i}" for i in range(n)]
+    )
+    procs = processor if isinstance(processor, list) else [processor] * n
+    if len(params_list) != n or len(rids) != n or len(procs) != n:
+        raise ValueError(
+            "sampling_params, rid and custom_logit_processor lists must match the number of prompts"
+        )
     out = []
-    for (p, ids), sp, r in zip(items, params_list, rids, strict=True):
-        tokens, params = prepare(p, ids, sp)
+    for (p, ids), sp, r, proc in zip(items, params_list, rids, procs, strict=True):
+        tokens, params = prepare(p, ids, with_processor(sp, proc))
         out.append((tokens, params, r))
     return out

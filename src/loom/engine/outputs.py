@@ -1,6 +1,11 @@
 """A request's state on the front end, and what turns the scheduler's outputs into what the
-caller gets: incremental detokenising, stop strings, logprobs with their texts, the final
-result."""
+caller gets: incremental detokenising, stop strings and ``stop_regex`` patterns, logprobs with
+their texts, the final result.
+
+The text leaves out what stopped the request, as SGLang's and vLLM's do: a stop string, the
+match of a ``stop_regex`` pattern, or the stop token (one of ``stop_token_ids``, EOS) that ended
+it; ``no_stop_trim`` keeps it. ``output_ids`` keep the stop token.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any
 from loom.engine.profile import FrontendProfile
 from loom.engine.tokenizer_manager import IncrementalDetokenizer
 from loom.sampling.sampling_params import SamplingParams
+from loom.sampling.stop_regex import compile_stop_regex
 from loom.scheduler.messages import ReqOutput
 
 logger = logging.getLogger(__name__)
@@ -36,7 +42,10 @@ class ReqState:
     finish_time: float | None = None
     text: str = ""  # the detokenised text so far (cut at a stop string)
     emitted: int = 0  # characters of ``text`` already handed to the caller
+    regex_checked: int = 0  # characters of ``text`` known to hold no stop_regex match
     logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
+    logprob_text: bool = True  # logprob entries carry their token's text (else None)
+    prompt_ids: list[int] | None = None  # return_prompt_token_ids: in every result
     # the queue is a batch's (``wait_all``): a step's outputs for it arrive as one list
     shared: bool = False
 
@@ -48,34 +57,35 @@ def apply_output(
     abort: Callable[[str], None],
     profile: FrontendProfile | None = None,
 ) -> dict[str, Any]:
-    """Apply one scheduler output to the request's state: extend its ids, detokenise, cut at
-    the earliest stop string (``abort``-ing the request if the scheduler had not finished it),
-    accumulate logprobs with their texts; returns the increment as an SGLang dict. Streams get
-    only text that cannot turn out to begin a stop string."""
+    """Apply one scheduler output to the request's state: extend its ids, detokenise (without
+    the stop token that ended it), cut at the earliest stop string or ``stop_regex`` match
+    (``abort``-ing the request if the scheduler had not finished it), accumulate logprobs with
+    their texts; returns the increment as an SGLang dict. Streams get only text that cannot
+    turn out to be part of a stop."""
     new_ids = list(out.new_token_ids)
     st.output_ids.extend(new_ids)
     finished = out.finished_reason
     delta = ""
     if st.detok is not None:
         t = time.perf_counter()
-        added = st.detok.add(new_ids, final=finished is not None)
+        text_ids = new_ids[:-1] if _trims_stop_token(finished, st.params, new_ids) else new_ids
+        added = st.detok.add(text_ids, final=finished is not None)
         if profile is not None:
             profile.detokenize_s += time.perf_counter() - t
             profile.detokenized_tokens += len(new_ids)
         st.text += added
-        hit = _find_stop(st, len(added)) if added and st.params.stop else None
+        p = st.params
+        hit = _find_stop(st, len(added)) if added and (p.stop or p.stop_regex) else None
         if hit is not None:
-            stop, cut = hit
-            if st.params.no_stop_trim:
-                cut += len(stop)
-            st.text = st.text[:cut]
+            matched, start, end = hit
+            st.text = st.text[: end if p.no_stop_trim else start]
             if finished is None or finished.get("type") != "stop":
-                finished = {"type": "stop", "matched": stop}
+                finished = {"type": "stop", "matched": matched}
             if out.finished_reason is None:
                 abort(st.rid)
-        # Stream only text that cannot turn out to be the start of a stop string.
+        # Stream only text that cannot turn out to be the start of a stop.
         text = st.text
-        end = len(text) if finished is not None else len(text) - _partial_stop(text, st.params.stop)
+        end = len(text) if finished is not None else len(text) - _held_back(st)
         delta, st.emitted = text[st.emitted : end], max(st.emitted, end)
     if finished is not None:
         st.finished = True
@@ -91,13 +101,32 @@ def apply_output(
     if out.error:
         meta["error"] = out.error
     if st.logprobs is not None:
+        tok = tokenizer if st.logprob_text else None
         for key, entries in out.extra.items():
             if key in st.logprobs:
-                st.logprobs[key] += _with_text(tokenizer, key, entries)
+                st.logprobs[key] += _with_text(tok, key, entries)
         n_new = len(out.extra.get("output_token_logprobs", []))
         for key, acc in st.logprobs.items():
             meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
-    return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+    inc = {"text": delta, "output_ids": new_ids, "meta_info": meta}
+    if st.prompt_ids is not None:
+        inc["prompt_token_ids"] = st.prompt_ids
+    return inc
+
+
+def merge_increments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive increments of one request as one (``b``'s meta_info, with the
+    per-token logprob lists of both)."""
+    meta = dict(b["meta_info"])
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = a["meta_info"].get(key, []) + meta[key]
+    return {
+        **b,
+        "text": a["text"] + b["text"],
+        "output_ids": a["output_ids"] + b["output_ids"],
+        "meta_info": meta,
+    }
 
 
 class OutputConsumer:
@@ -189,16 +218,45 @@ def _with_text(tokenizer: Any, key: str, entries: list) -> list:
     return [(lp, i, text(i)) for lp, i in entries]
 
 
-def _find_stop(st: ReqState, new_chars: int) -> tuple[str, int] | None:
-    """The earliest stop string that the newest ``new_chars`` characters completed (only
-    the text's tail is searched, so a long output costs no quadratic rescans)."""
+def _trims_stop_token(finished: dict | None, params: SamplingParams, new_ids: list[int]) -> bool:
+    """Whether the last new id is the stop token that finished the request, left out of the
+    text (SGLang's and vLLM's rule; not with ``no_stop_trim``)."""
+    if not finished or finished.get("type") != "stop" or params.no_stop_trim or not new_ids:
+        return False
+    matched = finished.get("matched")
+    return type(matched) is int and new_ids[-1] == matched
+
+
+def _find_stop(st: ReqState, new_chars: int) -> tuple[str, int, int] | None:
+    """(what matched, start, end) of the stop that the newest ``new_chars`` characters
+    completed first (the smallest end): a stop string, or a ``stop_regex`` pattern's match.
+    Only the text's tail is searched for stop strings, so a long output costs no quadratic
+    rescans; a pattern's search is bounded as ``sampling/stop_regex.py`` says."""
     text = st.text
-    best = None
+    best = None  # (end, start, matched)
     for s in st.params.stop:
         i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
-        if i != -1 and (best is None or i < best[1]):
-            best = (s, i)
-    return best
+        if i != -1 and (best is None or (i + len(s), i) < best[:2]):
+            best = (i + len(s), i, s)
+    for pattern in st.params.stop_regex:
+        span = compile_stop_regex(pattern).first_match(text, st.regex_checked)
+        if span is not None and (best is None or (span[1], span[0]) < best[:2]):
+            best = (span[1], span[0], pattern)
+    st.regex_checked = len(text)
+    return None if best is None else (best[2], best[1], best[0])
+
+
+def _held_back(st: ReqState) -> int:
+    """How many characters at the end of the text could still turn out to be part of a stop:
+    the longest suffix that is a proper prefix of a stop string, or the text from where a
+    ``stop_regex`` pattern could begin to match."""
+    text = st.text
+    held = _partial_stop(text, st.params.stop)
+    for pattern in st.params.stop_regex:
+        start = compile_stop_regex(pattern).partial_start(text, st.regex_checked)
+        if start is not None:
+            held = max(held, len(text) - start)
+    return held
 
 
 def final_result(st: ReqState, last: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +265,10 @@ def final_result(st: ReqState, last: dict[str, Any]) -> dict[str, Any]:
     meta = dict(last["meta_info"])
     if st.logprobs is not None:
         meta.update({k: list(v) for k, v in st.logprobs.items()})
-    return {"text": text, "output_ids": list(st.output_ids), "meta_info": meta}
+    result = {"text": text, "output_ids": list(st.output_ids), "meta_info": meta}
+    if st.prompt_ids is not None:
+        result["prompt_token_ids"] = st.prompt_ids
+    return result
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:

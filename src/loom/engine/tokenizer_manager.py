@@ -55,9 +55,12 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool):
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, context_len: int) -> None:
+    def __init__(self, tokenizer: Any, context_len: int, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.context_len = context_len
+        self.chat_template = load_chat_template(chat_template) or getattr(
+            tokenizer, "chat_template", None
+        )
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -67,22 +70,44 @@ class TokenizerManager:
             ids.add(eos)
         return ids
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text of ``messages`` (and the tools' definitions, OpenAI's
+        ``{"type": "function", "function": ...}`` objects) through the chat template;
+        ``template_kwargs`` go to the template (e.g. Qwen3's ``enable_thinking``)."""
         if not messages:
             raise ValueError("messages must not be empty")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model has no chat template")
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (give one with --chat-template)")
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict):
                 raise ParamError("messages", f"messages[{i}] must be an object")
             for key, value in msg.items():
                 if isinstance(value, str):
                     _check_text(value, f"messages[{i}].{key}", "messages")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # noqa: BLE001 - jinja's errors: the template refused the input
+            if isinstance(e, ParamError):
+                raise
+            raise ParamError("messages", f"the chat template failed: {e}") from None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
@@ -91,6 +116,18 @@ class TokenizerManager:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's path, or the template's text."""
+    if value is None:
+        return None
+    if "{" not in value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: no file {value!r} (nor is it a Jinja template)")
+    return value
 
 
 def _check_text(text: str, where: str, param: str) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from loom import plugins
-from loom.sampling.limits import ParamError, check_context, check_number, show
+from loom.sampling.limits import INT64_MAX, ParamError, check_context, check_number, show
 from loom.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,10 +31,17 @@ def prepare_request(
     ``ParamError`` naming the field) that says what is wrong: the parameters, the prompt
     (tokenised here), its length and the new tokens against the context, the logits
     processor and its parameters, the structured-output constraint (compiled now, cached)."""
-    # the default max_new_tokens (not asked for) is capped to what fits the context
+    # the default max_new_tokens (not asked for) is capped to what fits the context; so is
+    # null, which asks for what the context leaves (SGLang)
     explicit = isinstance(sampling_params, SamplingParams) or (
-        isinstance(sampling_params, dict) and "max_new_tokens" in sampling_params
+        isinstance(sampling_params, dict) and sampling_params.get("max_new_tokens") is not None
     )
+    if (
+        isinstance(sampling_params, dict)
+        and "max_new_tokens" in sampling_params
+        and sampling_params["max_new_tokens"] is None
+    ):
+        sampling_params = {**sampling_params, "max_new_tokens": INT64_MAX}
     if isinstance(sampling_params, SamplingParams):
         params = dataclasses.replace(sampling_params)
     else:
@@ -69,27 +76,40 @@ def prepare_request(
         params.max_new_tokens = room
         params.min_new_tokens = min(params.min_new_tokens, room)
     if params.custom_logit_processor is not None:
-        from loom.sampling.logits_processor import is_serialized
-        from loom.sampling.sampler import get_processor
-
-        if is_serialized(params.custom_logit_processor) and not (
-            sampling_args.enable_custom_logit_processor
-        ):
-            raise ValueError(
-                "custom_logit_processor: serialized (dill) processors execute code sent by "
-                "the client and are refused; use a named processor plug-in, or start the "
-                "server with --enable-custom-logit-processor if every client is trusted"
-            )
-        try:
-            proc = get_processor(params.custom_logit_processor)
-        except plugins.RegistryError as e:
-            raise ValueError(f"custom_logit_processor: {e}") from e
-        proc.validate_params(params.custom_params)
+        check_processor(params, sampling_args.enable_custom_logit_processor)
     if params.stop and tokenizer_manager is None:
         raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+    if params.stop_regex and tokenizer_manager is None:
+        raise ParamError("stop_regex", "stop_regex needs a tokenizer; use stop_token_ids")
     if params.constraint is not None:
         check_constraint(*params.constraint)
     return list(input_ids), params
+
+
+def check_processor(params: SamplingParams, enable_serialized: bool) -> None:
+    """The request's ``custom_logit_processor``: a named plug-in (its parameters checked by
+    it), or, only where the server allows it, SGLang's serialised processor (rebuilt now, once
+    per payload, so that a payload that cannot be used is refused before anything runs)."""
+    from loom.sampling.sampler import get_processor
+    from loom.sampling.sglang_processor import is_serialized
+
+    serialized = is_serialized(params.custom_logit_processor)
+    if serialized and not enable_serialized:
+        raise ParamError(
+            "custom_logit_processor",
+            "custom_logit_processor: this server does not run client-sent (serialised) "
+            "processors, which execute code sent by the client; use a processor installed on "
+            "the server by name, or start the server with --enable-custom-logit-processor "
+            "if every client is trusted",
+        )
+    try:
+        proc = get_processor(params.custom_logit_processor)
+    except plugins.RegistryError as e:
+        raise ParamError("custom_logit_processor", f"custom_logit_processor: {e}") from e
+    except ValueError as e:
+        raise ParamError("custom_logit_processor", str(e)) from e
+    if not serialized:
+        proc.validate_params(params.custom_params or {})
 
 
 def logprob_options(ret: Any, top: Any, start: Any) -> tuple[bool, int, int]:

@@ -12,8 +12,8 @@ On a GPU the fused Triton kernels apply penalties, bias and the grammar mask ins
 the grammar library's kernel applies its mask.
 
 A row is duck-typed: ``rid``, ``sampling_params``, ``origin_input_ids``, ``output_ids``,
-``is_finished``, ``grammar``, ``penalty_row`` (set here), ``return_logprob`` and
-``top_logprobs_num``.
+``is_finished``, ``grammar``, ``penalty_row`` (set here), ``processor_params`` (set by an SGLang
+processor, ``sglang_processor.py``), ``return_logprob`` and ``top_logprobs_num``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.sampling.base import TokenHistory
 from loom.sampling.penalties import PenaltyState, apply_penalties
 from loom.sampling.sampler import (
     SamplingBatchInfo,
@@ -112,9 +111,8 @@ class BatchSampler:
         want_lp = plan.want_logprobs
         raw = logits.clone() if want_lp else None
         if info.processors:
-            histories = [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in reqs]
             logits = apply_logits_processors(
-                logits, info, params, histories, lambda row, e: self.on_error(reqs[row], e)
+                logits, info, reqs, lambda row, e: self.on_error(reqs[row], e)
             )
         if plan.masked_argmax:
             tokens = masked_argmax(logits, self._grammar_masks(logits, reqs))

@@ -63,6 +63,7 @@ BOUNDS: dict[str, Bound] = {
     "logit_bias": Bound(False, -100, 100),  # each bias value
     "sampling_seed": Bound(True, INT64_MIN, INT64_MAX),
     "n": Bound(True, 1, 64),
+    "stream_interval": Bound(True, 0, INT32_MAX),  # 0 (or null): every step
     "priority": Bound(True, -INT32_MAX - 1, INT32_MAX),
     "top_logprobs_num": Bound(True, 0, 20),
     "logprob_start_len": Bound(True, -1, INT32_MAX),

@@ -1,8 +1,10 @@
 """The logits_processor family: named processors installed on the server.
 
 A request names a processor (``custom_logit_processor``) and passes JSON parameters
-(``custom_params``); nothing a client sends is ever unpickled or executed. The sampler groups the
+(``custom_params``): nothing a client sends is unpickled or executed. The sampler groups the
 rows of a batch by processor name and calls each processor once per step with just its rows.
+(SGLang's client-sent processors, refused unless the server is started with
+``--enable-custom-logit-processor``, are ``sglang_processor.py``.)
 """
 
 from __future__ import annotations
@@ -105,40 +107,3 @@ class NoRepeatNGramProcessor(LogitsProcessor):
             if banned:
                 logits[row, sorted(banned)] = float("-inf")
         return logits
-
-
-class SerializedProcessor(LogitsProcessor):
-    """An SGLang ``CustomLogitProcessor`` sent by a client as dill-serialised code. Only with
-    ``--enable-custom-logit-processor``: unpickling runs arbitrary code the client chose, so a
-    server open to untrusted clients must never accept it (named plug-ins are the safe way)."""
-
-    def __init__(self, payload: str) -> None:
-        import base64
-        import json
-
-        try:
-            import dill
-        except ImportError as e:
-            raise ValueError("custom_logit_processor: serialized processors need `dill`") from e
-        try:
-            data = json.loads(payload)["callable"]
-            raw = bytes.fromhex(data) if _is_hex(data) else base64.b64decode(data)
-            self.fn = dill.loads(raw)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"custom_logit_processor: cannot deserialize it ({e})") from e
-
-    def __call__(self, logits, params_per_row, token_ids_per_row):
-        return self.fn(logits, params_per_row)
-
-
-def _is_hex(s: str) -> bool:
-    try:
-        bytes.fromhex(s)
-    except ValueError:
-        return False
-    return True
-
-
-def is_serialized(name: str) -> bool:
-    """Whether ``custom_logit_processor`` is SGLang's serialized form, not a plug-in name."""
-    return isinstance(name, str) and name.lstrip().startswith("{") and '"callable"' in name

@@ -17,7 +17,10 @@ import torch
 
 from loom import plugins
 from loom.sampling import triton_sampling
+from loom.sampling.base import TokenHistory
 from loom.sampling.sampling_params import SamplingParams
+from loom.sampling.sglang_processor import SGLangProcessor, is_serialized
+from loom.sampling.sglang_processor import load as load_sglang_processor
 
 
 @dataclass
@@ -96,53 +99,59 @@ class SamplingBatchInfo:
 def apply_logits_processors(
     logits: torch.Tensor,
     info: SamplingBatchInfo,
-    params: list[SamplingParams],
-    histories: list[list[int]],
+    reqs: list,
     on_error: Callable[[int, Exception], None] | None = None,
 ) -> torch.Tensor:
-    """Each named processor over its rows, in one call. If that call fails (or returns
-    logits of another shape) and ``on_error`` is given, the rows are retried one by one and
-    each failing row is reported to it, its logits left as they were: a processor that fails
-    on one request's parameters fails that request alone."""
+    """Each processor over its rows, in one call. ``reqs``: the batch's rows (``rid``,
+    ``sampling_params``, ``origin_input_ids``, ``output_ids``, ``is_finished``). If that call
+    fails (or returns logits of another shape) and ``on_error`` is given, the rows are retried
+    one by one and each failing row is reported to it, its logits left as they were: a
+    processor that fails on one request's parameters fails that request alone."""
     for name, rows in info.processors.items():
         try:
-            _apply_processor(name, logits, rows, params, histories)
+            _apply_processor(name, logits, rows, reqs)
         except Exception:
             if on_error is None:
                 raise
             for r in rows:
                 try:
-                    _apply_processor(name, logits, [r], params, histories)
+                    _apply_processor(name, logits, [r], reqs)
                 except Exception as e:  # noqa: BLE001 - reported, isolated to row r
                     on_error(r, e)
     return logits
 
 
-def _apply_processor(name, logits, rows, params, histories) -> None:
+def _apply_processor(name, logits, rows, reqs) -> None:
     proc = get_processor(name)
     idx = torch.tensor(rows, device=logits.device)
     sub = logits[idx]
-    out = proc(sub, [params[r].custom_params for r in rows], [histories[r] for r in rows])
+    picked = [reqs[r] for r in rows]
+    if isinstance(proc, SGLangProcessor):
+        label = proc.name
+        out = proc.apply(sub, picked)
+    else:
+        label = name
+        params = [r.sampling_params.custom_params or {} for r in picked]
+        out = proc(sub, params, [TokenHistory.of(r.origin_input_ids, r.output_ids) for r in picked])
     if not isinstance(out, torch.Tensor) or out.shape != sub.shape:
         raise ValueError(
-            f"logits processor {name!r} returned {getattr(out, 'shape', type(out).__name__)}, "
+            f"logits processor {label!r} returned {getattr(out, 'shape', type(out).__name__)}, "
             f"not logits of shape {tuple(sub.shape)}"
         )
-    logits[idx] = out
+    logits[idx] = out.to(logits.dtype)
 
 
 _processor_cache: dict[str, object] = {}
 
 
 def get_processor(name: str):
+    """A named plug-in's instance (one per process), or for SGLang's serialised form (admitted
+    only with --enable-custom-logit-processor) its rebuilt instance."""
+    if is_serialized(name):
+        return load_sglang_processor(name)
     if name not in _processor_cache:
-        from loom.sampling.logits_processor import SerializedProcessor, is_serialized
-
-        if is_serialized(name):  # admitted only with --enable-custom-logit-processor
-            _processor_cache[name] = SerializedProcessor(name)
-        else:
-            target = plugins.resolve("logits_processor", name)
-            _processor_cache[name] = target() if isinstance(target, type) else target
+        target = plugins.resolve("logits_processor", name)
+        _processor_cache[name] = target() if isinstance(target, type) else target
     return _processor_cache[name]
 
 

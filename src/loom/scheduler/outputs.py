@@ -17,15 +17,17 @@ def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context
         req.pending_logprobs.append((lp, token))
         req.pending_top_logprobs.append(top[: req.top_logprobs_num])
     p = req.sampling_params
+    stop = token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
     if req.grammar is not None:
         if not req.grammar.accept_token(token):
             req.error = f"the grammar rejected token {token}"
             req.finished_reason = {"type": "abort", "message": req.error}
         elif req.grammar.is_terminated():
-            req.finished_reason = {"type": "stop", "matched": token}
+            # the grammar's last token is text (a "}"); only a stop token is trimmed from it
+            req.finished_reason = {"type": "stop", "matched": token if stop else None}
     if req.is_finished:  # by the grammar
         pass
-    elif token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+    elif stop:
         req.finished_reason = {"type": "stop", "matched": token}
     elif len(req.output_ids) >= p.max_new_tokens:
         req.finished_reason = {"type": "length", "length": p.max_new_tokens}

@@ -56,6 +56,9 @@ class Req:
         self.grammar = None
         # Penalties: this request's row of the scheduler's PenaltyState (counts on the device).
         self.penalty_row: int | None = None
+        # An SGLang processor's custom_params with "__req__", kept for the request's life as
+        # SGLang keeps it (``sampling.sglang_processor``)
+        self.processor_params: dict[str, Any] | None = None
         # Logprobs (``return_logprob``): entries not yet sent to the front end.
         self.return_logprob = False
         self.top_logprobs_num = 0

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from loom.server import native_routes, openai_routes
+from loom.server import chat_routes, native_routes, openai_routes
 from loom.server.context import ServerContext
 from loom.server.errors import APIKeyMiddleware, install_error_handlers
 
@@ -48,6 +48,7 @@ def create_app(engine: Engine) -> FastAPI:
     install_error_handlers(app)
     if ctx.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.args.api_key)
+    app.include_router(chat_routes.router(ctx))
     app.include_router(openai_routes.router(ctx))
     app.include_router(native_routes.router(ctx))
     return app

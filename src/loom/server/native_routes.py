@@ -1,18 +1,58 @@
-"""SGLang's native routes: ``/generate``, health and info, the prefix cache, LoRA adapters,
-aborts, and Prometheus ``/metrics``."""
+"""SGLang's native routes: ``/generate`` (every field of SGLang's ``GenerateReqInput``, as
+``generate_fields.py`` says), health and info, the prefix cache, LoRA adapters, aborts, and
+Prometheus ``/metrics``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from loom.sampling.limits import show
 from loom.server.context import ServerContext
 from loom.server.errors import APIError, bad, value_error
+from loom.server.generate_fields import refused_field
 from loom.server.protocol import output_error
 from loom.server.schemas import GenerateBody, fields_of, openapi
 from loom.server.streaming import chained, collect, first_of, stream_response
+
+# GenerateReqInput fields that take one value, or one per prompt of a batch, passed to the engine
+# under the same names (cache_salt joins extra_key first)
+PER_PROMPT = (
+    "rid",
+    "priority",
+    "extra_key",
+    "cache_salt",
+    "lora_path",
+    "custom_logit_processor",
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+)
+_DEFAULTS = {"return_logprob": False, "top_logprobs_num": 0, "logprob_start_len": -1}
+
+
+def _per_item(body: dict[str, Any], key: str, n: int) -> list[Any]:
+    """``body[key]`` for each of the ``n`` prompts (a list is one per prompt; null is the
+    default), or a 400 naming the field."""
+    value = body.get(key)
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise bad(f"{key} list must match the batch size ({n})", key)
+    return [_DEFAULTS.get(key) if v is None else v for v in values]
+
+
+def _namespace(extra_key: Any, cache_salt: Any) -> Any:
+    """One prefix-cache namespace from SGLang's two fields."""
+    for name, value in (("extra_key", extra_key), ("cache_salt", cache_salt)):
+        if value is not None and not isinstance(value, str):
+            raise bad(f"{name} must be a string, got {show(value)}", name)
+    if cache_salt is None or extra_key is None:
+        return cache_salt if extra_key is None else extra_key
+    return json.dumps([extra_key, cache_salt])
 
 
 def router(ctx: ServerContext) -> APIRouter:
@@ -25,6 +65,9 @@ def router(ctx: ServerContext) -> APIRouter:
     @router.post("/generate", openapi_extra=openapi(GenerateBody))
     async def generate(request: Request):
         body = fields_of(GenerateBody, await body_of(request))
+        refused = refused_field(body)
+        if refused is not None:
+            raise bad(f"{refused[0]} is not supported: {refused[1]}", refused[0])
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise bad("give exactly one of text or input_ids", "text")
@@ -38,28 +81,24 @@ def router(ctx: ServerContext) -> APIRouter:
             items = [(None, ids) for ids in (input_ids if batch else [input_ids])]
         if not items:
             raise bad("the batch is empty", "text" if text is not None else "input_ids")
-        if body.get("return_routed_experts") not in (None, False):
-            raise bad("return_routed_experts is not supported", "return_routed_experts")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad("stream must be a boolean", "stream")
+        flags = {}
+        for key in ("stream", "return_text_in_logprobs", "return_prompt_token_ids"):
+            flags[key] = False if body.get(key) is None else body[key]
+            if not isinstance(flags[key], bool):
+                raise bad(f"{key} must be a boolean", key)
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(items)
-        per_item = {}
-        for key in ("rid", "priority", "extra_key", "lora_path"):
-            v = body.get(key)
-            per_item[key] = v if isinstance(v, list) else [v] * len(items)
-            if len(per_item[key]) != len(items):
-                raise bad(f"{key} list must match the batch size", key)
-        if not all(r is None or isinstance(r, str) for r in per_item["rid"]):
-            raise bad("rid must be a string (or a list of strings for a batch)", "rid")
         if len(params_list) != len(items):
             raise bad("sampling_params list must match the batch size", "sampling_params")
-        lp_kw = {
-            k: body[k]
-            for k in ("return_logprob", "top_logprobs_num", "logprob_start_len")
-            if k in body
-        }
+        per_item = {key: _per_item(body, key, len(items)) for key in PER_PROMPT}
+        if not all(r is None or isinstance(r, str) for r in per_item["rid"]):
+            raise bad("rid must be a string (or a list of strings for a batch)", "rid")
+        if isinstance(body.get("rid"), str) and batch:
+            per_item["rid"] = [f"{body['rid']}_{i}" for i in range(len(items))]  # (SGLang's)
+        per_item["extra_key"] = [
+            _namespace(k, salt)
+            for k, salt in zip(per_item["extra_key"], per_item.pop("cache_salt"), strict=True)
+        ]
         count = 0
         for sp in params_list:
             if not isinstance(sp, dict):
@@ -77,13 +116,14 @@ def router(ctx: ServerContext) -> APIRouter:
                 sampling_params=params_list[0] if one else params_list,
                 stream=True,
                 **{k: v[0] if one else v for k, v in per_item.items()},
-                **lp_kw,
+                return_text_in_logprobs=flags["return_text_in_logprobs"],
+                return_prompt_token_ids=flags["return_prompt_token_ids"],
             )
         except ValueError as e:
             raise value_error(e) from e
         streams = out if isinstance(out, list) else [out]
         batch = isinstance(out, list)  # (n > 1 answers a list too)
-        if not stream:
+        if not flags["stream"]:
             results = await collect(request, streams)
             for r in results:  # whole-request logprob lists in meta_info, as SGLang returns
                 lps, tops = r.pop("logprobs"), r.pop("top")
@@ -103,9 +143,9 @@ def router(ctx: ServerContext) -> APIRouter:
                     acc[i]["text"] += inc["text"]
                     acc[i]["output_ids"] += inc["output_ids"]
                     out = {
+                        **inc,
                         "text": acc[i]["text"],
                         "output_ids": list(acc[i]["output_ids"]),
-                        "meta_info": inc["meta_info"],
                     }
                 if batch:
                     out["index"] = i

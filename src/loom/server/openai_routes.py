@@ -1,4 +1,5 @@
-"""OpenAI's routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``."""
+"""OpenAI's routes: ``/v1/models`` and ``/v1/completions`` (chat completions: ``chat_routes``),
+and the response pieces both completions routes share."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from loom.server.context import ServerContext
-from loom.server.errors import APIError, value_error
+from loom.server.errors import APIError
 from loom.server.protocol import (
     finish_reason,
     output_error,
-    parse_chat,
     parse_completion,
 )
-from loom.server.schemas import ChatCompletionRequest, CompletionRequest, openapi
+from loom.server.schemas import CompletionRequest, openapi
 from loom.server.streaming import chained, collect, first_of, stream_response
 
 
@@ -113,78 +113,6 @@ def router(ctx: ServerContext) -> APIRouter:
                 ),
             ],
         }
-
-    @router.post("/v1/chat/completions", openapi_extra=openapi(ChatCompletionRequest))
-    async def chat_completions(request: Request):
-        req, messages = parse_chat(await body_of(request))
-        check_model(req)
-        try:
-            ids = engine.apply_chat_template(messages)
-        except ValueError as e:
-            raise value_error(e) from e
-        admit(req.n)
-        streams = await start(ids, None, req.sampling, req, n=req.n)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "created": created, "model": model_name}
-        if not req.stream:
-            results = await collect(request, streams)
-            return {
-                **base,
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": r["text"]},
-                        "finish_reason": finish_reason(r["meta_info"].get("finish_reason")),
-                        "logprobs": chat_logprobs(r["logprobs"], r["top"])
-                        if req.logprobs
-                        else None,
-                    }
-                    for i, r in enumerate(results)
-                ],
-                "usage": usage([r["meta_info"] for r in results], req.n),
-            }
-
-        first, rest = await first_of(request, streams)
-
-        async def events():
-            chunk = {**base, "object": "chat.completion.chunk"}
-            for i in range(req.n):
-                yield sse(
-                    {
-                        **chunk,
-                        "choices": [
-                            {
-                                "index": i,
-                                "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-            metas: list[dict[str, Any]] = [{} for _ in streams]
-            async for i, inc in chained(first, rest):
-                meta = metas[i] = inc["meta_info"]
-                reason = finish_reason(meta.get("finish_reason"))
-                if inc["text"] or (req.logprobs and meta.get("output_token_logprobs")):
-                    choice = {"index": i, "delta": {"content": inc["text"]}, "finish_reason": None}
-                    if req.logprobs:
-                        choice["logprobs"] = chat_logprobs(
-                            meta.get("output_token_logprobs", []),
-                            meta.get("output_top_logprobs", []),
-                        )
-                    yield sse({**chunk, "choices": [choice]})
-                if reason is not None:
-                    yield sse(
-                        {**chunk, "choices": [{"index": i, "delta": {}, "finish_reason": reason}]}
-                    )
-                if (err := output_error(meta)) is not None:
-                    yield sse(err.body())
-            if req.include_usage:
-                yield sse({**chunk, "choices": [], "usage": usage(metas, req.n)})
-            yield b"data: [DONE]\n\n"
-
-        return stream_response(events(), rest)
 
     @router.post("/v1/completions", openapi_extra=openapi(CompletionRequest))
     async def completions(request: Request):

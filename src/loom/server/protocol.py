@@ -12,13 +12,10 @@ from typing import Any
 from loom.sampling.limits import OPENAI_NAMES, ParamError, check_number
 from loom.sampling.sampling_params import SamplingParams
 from loom.server.errors import APIError, bad
-from loom.server.schemas import ChatCompletionRequest, CompletionRequest, fields_of
+from loom.server.schemas import CompletionRequest, fields_of
 
 # Fields whose feature arrives with a later issue: accepted by name, refused unless neutral.
 _LATER = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "suffix": (None, ""),
 }
 # OpenAI (and SGLang-extension) sampling fields, checked by SamplingParams under Loom's names;
@@ -32,6 +29,8 @@ _SAMPLING_FIELDS = (
     "min_p",
     "seed",
     "stop",
+    "stop_regex",
+    "stream_interval",
     "ignore_eos",
     "skip_special_tokens",
     "stop_token_ids",
@@ -183,42 +182,6 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     if value is None or value is False:
         return False, 0
     return True, _num(body, "logprobs", "completion_logprobs")
-
-
-def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict[str, Any]]]:
-    body = fields_of(ChatCompletionRequest, body)
-    req = parse_common(body, chat=True)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty list", "messages")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in (
-            "system",
-            "user",
-            "assistant",
-            "developer",
-            "tool",
-        ):
-            raise bad(
-                f"messages[{i}] needs a role of system, user, assistant, developer or tool",
-                "messages",
-            )
-        content = msg.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-                if not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content: a text part needs a string text", "messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        role = "system" if msg["role"] == "developer" else msg["role"]
-        out.append({"role": role, "content": content})
-    return req, out
 
 
 def parse_completion(body: Any) -> tuple[ParsedRequest, list[str | list[int]]]:

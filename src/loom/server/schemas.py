@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from loom.sampling.limits import show
 from loom.server.errors import bad
+from loom.server.generate_fields import GENERATE_FIELDS, describe
 
 
 def _field(doc: str) -> Any:
@@ -39,6 +40,8 @@ class _OpenAIBody(_Body):
     seed: Any = _field("Seed: the same tokens alone or in any batch.")
     stop: Any = _field("Stop strings (a string or a list).")
     stop_token_ids: Any = _field("Token ids that stop generation.")
+    stop_regex: Any = _field("Regular expressions that stop generation (SGLang's extension).")
+    stream_interval: Any = _field("Stream every N tokens (SGLang's extension).")
     ignore_eos: Any = _field("Do not stop at EOS.")
     skip_special_tokens: Any = _field("Leave special tokens out of the text.")
     no_stop_trim: Any = _field("Keep the matched stop string in the text.")
@@ -62,14 +65,26 @@ class _OpenAIBody(_Body):
     store: Any = _field("Metadata; does not change generation.")
     service_tier: Any = _field("Metadata; does not change generation.")
     rid: Any = _field("Metadata; does not change generation.")
-    tools: Any = _field("Not supported yet: refused unless empty.")
-    tool_choice: Any = _field('Not supported yet: refused unless "none".')
-    parallel_tool_calls: Any = _field("Not supported yet: accepted, no effect.")
     suffix: Any = _field("Not supported yet: refused unless empty.")
 
 
 class ChatCompletionRequest(_OpenAIBody):
-    messages: Any = _field("The conversation: role and content (text or text parts).")
+    messages: Any = _field(
+        "The conversation: role and content (text or text parts); assistant turns may carry "
+        "tool_calls, and tool turns the tool_call_id they answer."
+    )
+    tools: Any = _field('Functions the model may call: [{"type": "function", "function": ...}].')
+    tool_choice: Any = _field(
+        'none, auto (default with tools), required, or {"type": "function", "function": '
+        '{"name": ...}}; required and a named function are enforced by the grammar backend.'
+    )
+    parallel_tool_calls: Any = _field("Several calls in one answer (default true).")
+    chat_template_kwargs: Any = _field(
+        'Extra variables for the chat template, e.g. {"enable_thinking": false}.'
+    )
+    separate_reasoning: Any = _field(
+        "With --reasoning-parser: the thoughts in reasoning_content (default true)."
+    )
 
 
 class CompletionRequest(_OpenAIBody):
@@ -78,22 +93,13 @@ class CompletionRequest(_OpenAIBody):
     best_of: Any = _field("Samples per prompt (>= n); the n best by mean logprob are returned.")
 
 
-class GenerateBody(_Body):
-    text: Any = _field("A prompt, or a list of prompts (a batch).")
-    input_ids: Any = _field("Token ids, or a list of token-id lists (a batch).")
-    sampling_params: Any = _field("SGLang's sampling parameters (one, or one per prompt).")
-    stream: Any = _field("Stream server-sent events with the text so far.")
-    rid: Any = _field("Request id (one per prompt for a batch).")
-    priority: Any = _field("Scheduling priority.")
-    extra_key: Any = _field("A prefix-cache namespace.")
-    lora_path: Any = _field("A LoRA adapter by name.")
-    return_logprob: Any = _field("Return the sampled tokens' logprobs.")
-    top_logprobs_num: Any = _field("The top logprobs per token.")
-    logprob_start_len: Any = _field("Prompt logprobs from this position (-1: none).")
-    return_routed_experts: Any = _field(
-        "SGLang's per-token expert routing of mixture-of-experts models: false only (Loom "
-        "does not return it)."
-    )
+# SGLang's native /generate takes every field of its GenerateReqInput; what Loom does with each
+# is ``generate_fields.GENERATE_FIELDS``.
+GenerateBody = create_model(
+    "GenerateBody",
+    __base__=_Body,
+    **{name: (Any, _field(describe(name))) for name in GENERATE_FIELDS},
+)
 
 
 def fields_of(schema: type[_Body], body: Any) -> dict[str, Any]:

@@ -126,6 +126,8 @@ async def collect(request: Request, streams) -> list[dict[str, Any]]:
             r["text"] += inc["text"]
             r["output_ids"] += inc["output_ids"]
             r["meta_info"] = inc["meta_info"]
+            if "prompt_token_ids" in inc:  # (return_prompt_token_ids)
+                r["prompt_token_ids"] = inc["prompt_token_ids"]
             r["logprobs"] += inc["meta_info"].get("output_token_logprobs", [])
             r["top"] += inc["meta_info"].get("output_top_logprobs", [])
 

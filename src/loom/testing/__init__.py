@@ -21,6 +21,7 @@ from loom.testing.model import TINY_ARCHITECTURES, check_model, check_model_engi
 from loom.testing.model_loader import check_model_loader
 from loom.testing.radix_eviction_policy import check_radix_eviction_policy
 from loom.testing.schedule_policy import check_schedule_policy
+from loom.testing.tool_call_parser import check_tool_call_parser
 
 __all__ = [
     "TINY_ARCHITECTURES",
@@ -34,5 +35,6 @@ __all__ = [
     "check_model_loader",
     "check_radix_eviction_policy",
     "check_schedule_policy",
+    "check_tool_call_parser",
     "tiny_config",
 ]

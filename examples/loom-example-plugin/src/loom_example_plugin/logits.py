@@ -1,4 +1,7 @@
-"""``example_force_token``: the row's next token is ``custom_params["token_id"]``, always.
+"""``example_force_token``: the row's next token is ``custom_params["token_id"]``, always; or,
+with ``custom_params["token_ids"]`` (a script), the script's token at the output's position, and
+the model's own choice once the script is spent (tests drive whole answers with it: a tool call,
+a reasoning block).
 
 This module imports torch (through Loom's interface); ``register`` names it only as a string, so
 that cost is paid when a request first uses the processor, not at discovery.
@@ -24,6 +27,15 @@ class ForceTokenProcessor(LogitsProcessor):
     example_params = {"token_id": 3}  # used by loom.testing.check_logits_processor
 
     def validate_params(self, params: dict[str, Any]) -> None:
+        script = params.get("token_ids")
+        if script is not None:
+            if not isinstance(script, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in script
+            ):
+                raise ValueError(
+                    f"example_force_token: token_ids must be a list of ids >= 0, got {script!r}"
+                )
+            return
         token_id = params.get("token_id")
         # bool is an int subclass, but `true` is not a token id.
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
@@ -42,6 +54,11 @@ class ForceTokenProcessor(LogitsProcessor):
         ids: list[int] = []
         for row, params in enumerate(params_per_row):
             token_id = params.get("token_id")
+            script = params.get("token_ids")
+            if script is not None:
+                history = token_ids_per_row[row]
+                done = len(history) - history.prompt_len
+                token_id = script[done] if done < len(script) else None
             if isinstance(token_id, int) and 0 <= token_id < vocab_size:
                 rows.append(row)
                 ids.append(token_id)
