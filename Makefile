@@ -47,7 +47,7 @@ test: setup
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check src tests examples
