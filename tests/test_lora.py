@@ -389,3 +389,26 @@ def test_server_routes_pick_adapters(lora_setup, peft_ref):
         assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(
+    "arch,impl,match",
+    [
+        ("MixtralForCausalLM", "auto", "layer 0 has no mlp.gate_up_proj"),
+        ("LlamaForCausalLM", "transformers", "not supported on TransformersForCausalLM"),
+    ],
+)
+def test_lora_on_a_model_without_dense_projections_is_refused_by_name(tmp_path, arch, impl, match):
+    from transformers import AutoModelForCausalLM
+
+    from loom.testing import tiny_config
+
+    AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        loom.Engine(
+            model=str(tmp_path),
+            model_impl=impl,
+            enable_lora=True,
+            skip_tokenizer_init=True,
+            max_total_tokens=1024,
+        )

@@ -77,6 +77,31 @@ class LoRALinear(nn.Module):
         return y
 
 
+_TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+            ("mlp", "down_proj"))  # fmt: skip
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers adapters apply to, or a ValueError naming what the model lacks: each
+    layer's attention and dense MLP projections (Loom's own implementations of dense
+    architectures have them; mixture-of-experts layers and the transformers fallback do not)."""
+    name = type(model).__name__
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"LoRA adapters need Loom's own implementation of the model; {name} has no decoder "
+            "layers Loom can wrap (--model-impl transformers does not serve adapters)"
+        )
+    for i, layer in enumerate(layers):
+        for parent, packed in _TARGETS:
+            if not hasattr(getattr(layer, parent, None), packed):
+                raise ValueError(
+                    f"LoRA adapters are not supported on {name}: layer {i} has no "
+                    f"{parent}.{packed} (adapters apply to dense attention and MLP projections)"
+                )
+    return list(layers)
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, args, device: torch.device, dtype: torch.dtype) -> None:
         """``args``: the LoRA section of the server arguments (``LoRAArgs``)."""
@@ -93,7 +118,7 @@ class LoRAManager:
         }
         ranks = [a.rank for a in self.adapters.values()]
         self.max_rank = args.max_lora_rank or max(ranks, default=16)
-        layers = model.model.layers
+        layers = _lora_layers(model)
         self.num_layers = len(layers)
         # wrap each layer's packed projections
         self.sizes: dict[str, tuple[int, list[int]]] = {}
