@@ -74,9 +74,47 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokenizer for the chat backend's prompt texts (default: the server's)",
     )
+    p.add_argument(
+        "--tool-choice",
+        choices=("required", "named"),
+        default=None,
+        help="chat backend: each request offers two tools (a weather and a time lookup) and "
+        "forces a call, required or to get_weather by name (the grammar backend constrains "
+        "the output); compare with the same run without it",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-file", default=None, help="append a JSON line with the results")
+
+
+def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": schema},
+    }
+
+
+def tool_fields(choice: str) -> dict[str, Any]:
+    """A chat request's ``tools`` and ``tool_choice`` for ``--tool-choice``."""
+    tools = [
+        _tool(
+            "get_weather",
+            "The weather in a city.",
+            {
+                "city": {"type": "string", "maxLength": 32},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+        ),
+        _tool("get_time", "The time in a zone.", {"zone": {"type": "string", "maxLength": 16}}),
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    return {"tools": tools, "tool_choice": named if choice == "named" else "required"}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -110,8 +148,15 @@ def _run_once(
     model = info.get("served_model_name") or info.get("model")
     ctx = multiprocessing.get_context("spawn")
     conns, procs = [], []
+    extra = {}
+    if ns.tool_choice is not None:
+        if endpoint != "chat":
+            raise SystemExit("--tool-choice needs --backend chat")
+        extra = tool_fields(ns.tool_choice)
     for w in range(workers):
-        spec = WorkerSpec(ns.base_url, endpoint, model, headers, items[w::workers], per_worker_conc)
+        spec = WorkerSpec(
+            ns.base_url, endpoint, model, headers, items[w::workers], per_worker_conc, extra
+        )
         mine, theirs = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(spec, theirs), daemon=True)
         proc.start()
@@ -262,7 +307,8 @@ def _engine_delta(before: dict[str, Any], after: dict[str, Any], elapsed: float)
 
 def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
     print(
-        f"{'backend / workers':<28}{ns.backend} / {workers}   "
+        f"{'backend / workers':<28}{ns.backend} / {workers}"
+        f"{f', tool_choice {ns.tool_choice}' if ns.tool_choice else ''}   "
         f"({info.get('device')}, {info.get('dtype')}, {ns.request_rate} req/s)"
     )
     print(
@@ -368,6 +414,7 @@ def run_serving(ns: argparse.Namespace) -> int:
         "num_prompts": ns.num_prompts,
         "input_len": ns.random_input_len,
         "output_len": ns.random_output_len,
+        "tool_choice": ns.tool_choice,
     }
     runs = [ns.num_workers] + ([2 * ns.num_workers] if ns.scaling_check else [])
     failed = False

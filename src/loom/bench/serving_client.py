@@ -123,7 +123,8 @@ class StreamParser:
         for choice in chunk.get("choices") or ():
             text = choice.get("text") if self.endpoint == "completions" else None
             if self.endpoint == "chat":
-                text = (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("tool_calls")
             if text:
                 self.chunk_times.append(now)
                 self.chunk_tokens.append(0)
