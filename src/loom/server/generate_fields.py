@@ -40,7 +40,7 @@ GENERATE_FIELDS: dict[str, tuple[str, str]] = {
     "top_logprobs_num": (USED, "The top logprobs per token (0-20)."),
     "token_ids_logprob": (
         REFUSED,
-        "the logprobs of chosen token ids are not supported yet (top_logprobs_num gives the "
+        "the logprobs of chosen token ids are not returned (top_logprobs_num gives the "
         "most likely ones)",
     ),
     "return_sampling_mask": (REFUSED, "sampling masks are not returned"),
