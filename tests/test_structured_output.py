@@ -18,6 +18,7 @@ from loom import plugins
 from loom.bench.json_schemas import SCHEMAS
 from loom.testing import check_grammar_backend
 from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.test_sampler import patch_triton_language_once
 
 BACKENDS = ["xgrammar", "llguidance"]
 FREE = {"max_new_tokens": 24, "temperature": 0}
@@ -398,23 +399,30 @@ def test_fused_sampling_kernels_apply_the_grammar_mask_end_to_end(
 
     monkeypatch.setattr(sched_mod, "fused_sampling_enabled", lambda logits: True)
     monkeypatch.setattr(sched_mod, "fused_sample", counted)
-    monkeypatch.setattr(triton_sampling, "_CHUNK", 16384)  # 3 chunks a row: the merges run
+    # 2 chunks a row, the second partly masked (49,152 columns): the merges run
+    monkeypatch.setattr(triton_sampling, "_CHUNK", 32768)
+    patch_triton_language_once(monkeypatch)
     e = gengine
+    # two sampled and two greedy rows (sampled: even index), with short outputs (18 to 40
+    # tokens): the interpreter's time grows with rows times steps; every schema's grammar is
+    # checked with the library's kernel in test_json_schemas_validate_in_a_mixed_batch
+    picked = [0, 1, 4, 7]
     ids, params = [], []
-    for i, (task, schema) in enumerate(SCHEMAS[:8]):
+    for i in picked:
+        task, schema = SCHEMAS[i]
         ids.append(chat_ids(e, f"{task} Answer with a JSON object only."))
         p = {"max_new_tokens": 160, "json_schema": json.dumps(schema)}
         p.update({"temperature": 0} if i % 2 else {"temperature": 0.7, "top_p": 0.95, "seed": i})
         params.append(p)
-    ids.insert(3, chat_ids(e, CHAT_PROMPTS[0]))
-    params.insert(3, FREE)
+    ids.insert(2, chat_ids(e, CHAT_PROMPTS[0]))
+    params.insert(2, FREE)
     outs = e.generate(input_ids=ids, sampling_params=params)
-    assert outs[3]["output_ids"] == free_reference[0]
-    del outs[3]
-    for out, (_, schema) in zip(outs, SCHEMAS[:8], strict=True):
+    assert outs[2]["output_ids"] == free_reference[0]
+    del outs[2]
+    for out, i in zip(outs, picked, strict=True):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
-        _validate(out["text"], schema)
-    assert sum(calls) > 20  # the masks went through the fused kernels
+        _validate(out["text"], SCHEMAS[i][1])
+    assert sum(calls) > 15  # the masks went through the fused kernels (19 steps or more here)
 
 
 def test_masked_argmax_picks_the_first_maximum_among_allowed_tokens():
