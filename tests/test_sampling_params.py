@@ -203,6 +203,25 @@ def test_logprobs_equal_hf_log_softmax(engine, hf_model):
     assert len(inp) == len(ids) and inp[0][0] is None and inp[0][1] == ids[0]
     for q in range(1, len(ids)):
         assert inp[q][1] == ids[q] and abs(inp[q][0] - lsm[q - 1, ids[q]].item()) < 1e-3
+    # the prompt's top entries (OpenAI's echo with logprobs, lm-eval's greedy check)
+    tops = meta["input_top_logprobs"]
+    assert len(tops) == len(ids) and tops[0] is None
+    for q in range(1, len(ids)):
+        top_v, top_i = lsm[q - 1].topk(5)
+        assert [t for _, t, _ in tops[q]] == top_i.tolist()
+        assert [v for v, _, _ in tops[q]] == pytest.approx(top_v.tolist(), abs=1e-3)
+    # nothing to generate: the prompt is only scored (SGLang's `select`), no token comes out
+    scored = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    assert scored["output_ids"] == [] and scored["text"] == ""
+    assert scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert [(lp, t) for lp, t, _ in scored["meta_info"]["input_token_logprobs"]] == [
+        (lp, t) for lp, t, _ in inp
+    ]
     # logprob_start_len skips the first prompt tokens (and still lets the cache serve them)
     again = engine.generate(
         input_ids=ids,

@@ -391,6 +391,22 @@ def test_overlap_launches_the_next_prefill_before_applying_first_tokens(prompts_
         assert [o["output_ids"] for o in lp] == [reference[0][:1], reference[1], reference[2][:7]]
         for o, ids in zip(lp, prompts_ids, strict=False):
             assert len(o["meta_info"]["input_token_logprobs"]) == len(ids)
+        # prompts only scored (no new token) amid generating ones, in 16-token chunks
+        scored = e.generate(
+            input_ids=prompts_ids[:4],
+            sampling_params=[{**PARAMS, "max_new_tokens": m} for m in (0, 9, 0, 3)],
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        assert [o["output_ids"] for o in scored] == [[], reference[1][:9], [], reference[3][:3]]
+        for o, ids, first in zip(scored, prompts_ids, lp + [None], strict=False):
+            got = o["meta_info"]["input_token_logprobs"]
+            assert [t for _, t, _ in got] == ids
+            if first is not None:  # (the same prompt's logprobs, in another batch)
+                want = first["meta_info"]["input_token_logprobs"]
+                assert [v for v, _, _ in got[1:]] == pytest.approx(
+                    [v for v, _, _ in want[1:]], abs=1e-4
+                )
         _assert_balanced(e)
 
 

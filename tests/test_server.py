@@ -200,6 +200,10 @@ def test_completions_echo_and_best_of(client, engine):
     n_prompt = len(engine.tokenizer.encode("Once upon a time"))
     assert len(lp.tokens) == n_prompt + 5
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    # every token but the first has its top entry, as good as the token's own
+    assert lp.top_logprobs[0] is None
+    for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) == 1 and max(top.values()) >= v - 1e-6
     assert "".join(lp.tokens) == "Once upon a time" + plain.choices[0].text
     streamed = "".join(
         c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)

@@ -243,6 +243,8 @@ class Engine:
             st.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
             if req.logprob_start_len >= 0:
                 st.logprobs["input_token_logprobs"] = []
+                if req.top_logprobs_num:
+                    st.logprobs["input_top_logprobs"] = []
         if batch is None:
             self._send([req])
         else:

@@ -107,7 +107,7 @@ def apply_output(
                 st.logprobs[key] += _with_text(tok, key, entries)
         n_new = len(out.extra.get("output_token_logprobs", []))
         for key, acc in st.logprobs.items():
-            meta[key] = acc if key == "input_token_logprobs" else acc[len(acc) - n_new :]
+            meta[key] = acc if key in _WHOLE_PROMPT else acc[len(acc) - n_new :]
     inc = {"text": delta, "output_ids": new_ids, "meta_info": meta}
     if st.prompt_ids is not None:
         inc["prompt_token_ids"] = st.prompt_ids
@@ -206,6 +206,10 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
     )
 
 
+# logprob lists of the prompt: sent whole, once, with the prompt's last chunk
+_WHOLE_PROMPT = ("input_token_logprobs", "input_top_logprobs")
+
+
 def _with_text(tokenizer: Any, key: str, entries: list) -> list:
     """(logprob, id) -> (logprob, id, text) as SGLang returns them."""
     tok = tokenizer
@@ -213,8 +217,8 @@ def _with_text(tokenizer: Any, key: str, entries: list) -> list:
     def text(i: int) -> str | None:
         return tok.decode([i]) if tok is not None else None
 
-    if key == "output_top_logprobs":
-        return [[(lp, i, text(i)) for lp, i in row] for row in entries]
+    if key in ("output_top_logprobs", "input_top_logprobs"):
+        return [None if row is None else [(lp, i, text(i)) for lp, i in row] for row in entries]
     return [(lp, i, text(i)) for lp, i in entries]
 
 

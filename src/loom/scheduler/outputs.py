@@ -7,16 +7,20 @@ from loom.scheduler.messages import ReqOutput
 from loom.scheduler.request import Req
 
 
-def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context_len: int) -> None:
+def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context_len: int) -> bool:
     """Append ``token`` and decide whether it ends the request (``finished_reason``): its
     grammar rejects it or terminates, a stop token or EOS, ``max_new_tokens``, or the context.
-    ``logprob``: None, or (logprob, [(logprob, id), ...] top entries)."""
+    ``logprob``: None, or (logprob, [(logprob, id), ...] top entries). False: the token was
+    dropped, as a request with ``max_new_tokens`` 0 ran only for its prompt's logprobs."""
+    p = req.sampling_params
+    if p.max_new_tokens == 0:
+        req.finished_reason = {"type": "length", "length": 0}
+        return False
     req.output_ids.append(token)
     if logprob is not None and req.return_logprob:
         lp, top = logprob
         req.pending_logprobs.append((lp, token))
         req.pending_top_logprobs.append(top[: req.top_logprobs_num])
-    p = req.sampling_params
     stop = token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
     if req.grammar is not None:
         if not req.grammar.accept_token(token):
@@ -33,6 +37,7 @@ def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context
         req.finished_reason = {"type": "length", "length": p.max_new_tokens}
     elif req.seq_len >= context_len:
         req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+    return True
 
 
 def make_output(req: Req, tokens: list[int]) -> ReqOutput:
@@ -48,6 +53,9 @@ def make_output(req: Req, tokens: list[int]) -> ReqOutput:
         if req.pending_input_logprobs is not None:
             extra["input_token_logprobs"] = req.pending_input_logprobs
             req.pending_input_logprobs = None
+        if req.pending_input_top_logprobs is not None:
+            extra["input_top_logprobs"] = req.pending_input_top_logprobs
+            req.pending_input_top_logprobs = None
     return ReqOutput(
         extra=extra,
         rid=req.rid,

@@ -425,7 +425,8 @@ class PrefillManager:
     @staticmethod
     def _input_logprobs(items, wants, logits, last_rows) -> None:
         """Logprobs of prompt tokens from this chunk's logits: the logits at position q give
-        the logprob of token q + 1 (token 0 has none)."""
+        the logprob of token q + 1 (token 0 has none), and with ``top_logprobs_num`` the top
+        entries there."""
         start_row = 0
         for it, w, last in zip(items, wants, last_rows, strict=True):
             rows_start = start_row
@@ -435,9 +436,10 @@ class PrefillManager:
             req = it.req
             prompt = req.origin_input_ids
             s, e = it.prefix_len, it.prefix_len + it.extend_len
-            acc = req.input_logprob_acc
+            acc, top_acc, k = req.input_logprob_acc, req.input_top_acc, req.top_logprobs_num
             if s == 0 and req.logprob_start_len == 0:
                 acc.append((None, prompt[0]))
+                top_acc.append(None)
             qs = [q for q in range(s, min(e, len(prompt) - 1)) if q + 1 >= req.logprob_start_len]
             if qs:
                 rows = torch.tensor([rows_start + q - s for q in qs], device=logits.device)
@@ -445,5 +447,13 @@ class PrefillManager:
                 lsm = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
                 vals = lsm.gather(1, toks.unsqueeze(1)).squeeze(1).tolist()
                 acc += [(v, prompt[q + 1]) for v, q in zip(vals, qs, strict=True)]
+                if k:
+                    top_v, top_i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+                    top_acc += [
+                        list(zip(v, i, strict=True))
+                        for v, i in zip(top_v.tolist(), top_i.tolist(), strict=True)
+                    ]
             if e >= len(prompt):
                 req.pending_input_logprobs, req.input_logprob_acc = acc, []
+                if k:
+                    req.pending_input_top_logprobs, req.input_top_acc = top_acc, []

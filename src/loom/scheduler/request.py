@@ -67,6 +67,9 @@ class Req:
         self.pending_top_logprobs: list[list[tuple[float, int]]] = []
         self.pending_input_logprobs: list | None = None
         self.input_logprob_acc: list = []
+        # with top_logprobs_num: each prompt token's top entries, row for row with the above
+        self.pending_input_top_logprobs: list | None = None
+        self.input_top_acc: list = []
 
     @classmethod
     def from_message(cls, m: GenerateRequest) -> Req:

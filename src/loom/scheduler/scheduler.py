@@ -119,7 +119,9 @@ class Scheduler:
         error = self.lora.check(req)
         if error is not None:
             return [self._fail(req, error)]
-        if req.sampling_params.max_new_tokens == 0:
+        # Nothing to generate ends at once, unless the prompt's logprobs are asked for (scoring
+        # a text, SGLang's `select`): then the prefill runs and the sampled token is dropped.
+        if req.sampling_params.max_new_tokens == 0 and not req.wants_input_logprobs:
             req.finished_reason = {"type": "length", "length": 0}
             return [make_output(req, [])]
         if req.sampling_params.constraint is not None:
@@ -413,12 +415,12 @@ class Scheduler:
                 for req, tok, lp in rows:
                     if req.is_finished:
                         continue
-                    self.stats.num_generated_tokens += 1
-                    append_token(req, tok, lp, self.eos_token_ids, self.context_len)
+                    kept = append_token(req, tok, lp, self.eos_token_ids, self.context_len)
+                    self.stats.num_generated_tokens += kept
                     if req.is_finished:
                         self._free(req, cache=True)
                         self.sampler.release(req)
-                    outputs.append(make_output(req, [tok]))
+                    outputs.append(make_output(req, [tok] if kept else []))
                 return outputs
             except Exception as e:  # noqa: BLE001 - isolated to this request
                 self._fail_in_step(req, e)

@@ -57,8 +57,11 @@ def completion_logprobs(entries: list, tops: list) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _, _ in entries],
+        # (the prompt's first token has neither a logprob nor top entries: null, as OpenAI's)
         "top_logprobs": [
-            {(t_text or ""): t_lp for t_lp, _, t_text in (tops[k] if k < len(tops) else [])}
+            None
+            if entries[k][0] is None
+            else {(t_text or ""): t_lp for t_lp, _, t_text in (tops[k] if k < len(tops) else [])}
             for k in range(len(entries))
         ],
         "text_offset": offsets,
@@ -147,9 +150,10 @@ def router(ctx: ServerContext) -> APIRouter:
                 return None
             entries, tops = r["logprobs"], r["top"]
             if echo_lp:
-                prompt_lps = r["meta_info"].get("input_token_logprobs", [])
-                entries = prompt_lps + entries
-                tops = [[] for _ in prompt_lps] + tops
+                meta = r["meta_info"]
+                prompt_lps = meta.get("input_token_logprobs", [])
+                prompt_tops = meta.get("input_top_logprobs") or [[] for _ in prompt_lps]
+                entries, tops = prompt_lps + entries, prompt_tops + tops
             return completion_logprobs(entries, tops)
 
         if not req.stream:
@@ -187,7 +191,8 @@ def router(ctx: ServerContext) -> APIRouter:
                     head = {"text": prompt_texts[i // k], "logprobs": None, "finish_reason": None}
                     if echo_lp:
                         head["logprobs"] = completion_logprobs(
-                            inc["meta_info"].get("input_token_logprobs", []), []
+                            inc["meta_info"].get("input_token_logprobs", []),
+                            inc["meta_info"].get("input_top_logprobs", []),
                         )
                     yield sse({**chunk, "choices": [{"index": i, **head}]})
                 meta = metas[i] = inc["meta_info"]
