@@ -211,10 +211,18 @@ def test_auto_finds_the_calls_the_model_writes(client, tok):
         "</tool_call>\n<tool_call>\n"
         '{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
     )
+    from concurrent.futures import ThreadPoolExecutor
+
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=200)
     extra = scripted(tok, text)
-    r = client.chat.completions.create(**kw, extra_body=extra)
-    ch = r.choices[0]
+    # the three requests (whole, streamed, tool_choice none) at once: one batch of decode steps
+    with ThreadPoolExecutor(3) as pool:
+        whole = pool.submit(client.chat.completions.create, **kw, extra_body=extra)
+        stream = pool.submit(streamed, client, **kw, extra_body=extra)
+        plain = pool.submit(
+            client.chat.completions.create, **kw, tool_choice="none", extra_body=extra
+        )
+    ch = whole.result().choices[0]
     assert ch.finish_reason == "tool_calls"
     assert ch.message.content.strip() == "Let me check."
     got = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
@@ -222,11 +230,11 @@ def test_auto_finds_the_calls_the_model_writes(client, tok):
         ("get_weather", {"city": "Paris", "unit": "celsius"}),
         ("get_time", {"zone": "CET"}),
     ]
-    content, _, calls, reason = streamed(client, **kw, extra_body=extra)
+    content, _, calls, reason = stream.result()
     assert reason == "tool_calls" and content.strip() == "Let me check."
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == got
     # tool_choice none: the same text is plain content
-    r = client.chat.completions.create(**kw, tool_choice="none", extra_body=extra)
+    r = plain.result()
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == text and r.choices[0].finish_reason == "stop"
 
