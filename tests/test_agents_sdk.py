@@ -16,8 +16,9 @@ import json
 import jsonschema
 import pytest
 
+from loom.testing.templates import HERMES_TEMPLATE
 from tests.test_server import Server
-from tests.test_tool_calling import HERMES_TEMPLATE, MODEL
+from tests.test_tool_calling import MODEL
 
 agents = pytest.importorskip("agents")
 

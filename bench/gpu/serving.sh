@@ -23,6 +23,10 @@
 #                   --incremental-streaming-output), then a Poisson run of N requests from 4
 #                   workers at each RATE in turn
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
+#   tools SHAPE     chat requests forced to call a tool (--tool-choice required, then named)
+#                   against the same requests without tools, at concurrency 1 (16 requests)
+#                   and 16 (64 requests), 64 input and 24 output tokens, on a server with the
+#                   Hermes-style tool template (loom.testing.templates); needs .whl2 (xgrammar)
 #   sglang SHAPE    SGLang's bench_serving (bench/sglang_bench_serving.py) against loom serve:
 #                   its sglang (/generate) and sglang-oai (/v1/completions) backends
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
@@ -44,7 +48,8 @@ url=http://127.0.0.1:$port
 
 serve() {  # SRC_DIR, then `loom serve` flags; waits until /health answers
   local src=$1; shift
-  PYTHONPATH="$src:${PYTHONPATH#*:}" $py -m loom.cli serve --model $model --load-format dummy \
+  # SRC_DIR's loom in place of the tree's (the other entries stay: wheels under /tmp)
+  PYTHONPATH="$src:${PYTHONPATH//$PWD\/src:/}" $py -m loom.cli serve --model $model --load-format dummy \
     --tokenizer-path .tok --dtype bfloat16 --port $port "$@" >"$out/server-$shape.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 300); do
@@ -115,6 +120,20 @@ rates)  # SHAPE "SERVER_FLAGS" N RATE...
 base)
   serve bench_base/src || exit 1
   client "base generate x4" --num-workers 4
+  stop
+  ;;
+tools)
+  $py -c "from loom.testing.templates import HERMES_TEMPLATE as t; print(t)" >"$out/hermes.jinja"
+  serve src --incremental-streaming-output --chat-template "$out/hermes.jinja" || exit 1
+  for cn in "1 16" "16 64"; do
+    read -r c n <<<"$cn"
+    for choice in none required named; do
+      flags=(--backend chat --num-prompts "$n" --random-input-len 64 --random-output-len 24
+        --max-concurrency "$c")
+      [ $choice = none ] || flags+=(--tool-choice $choice)
+      client "chat concurrency $c tool_choice $choice" "${flags[@]}"
+    done
+  done
   stop
   ;;
 sglang)
