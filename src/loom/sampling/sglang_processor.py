@@ -207,7 +207,8 @@ class SGLangProcessor:
             import dill
         except ImportError as e:
             raise ValueError(
-                "custom_logit_processor: serialised processors need the `dill` package"
+                "custom_logit_processor: serialised processors need the `dill` package "
+                "(pip install 'loom[sglang]')"
             ) from e
         try:
             data = json.loads(payload)
