@@ -9,7 +9,7 @@ from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config
 from transformers.models.llama import modeling_llama
 from transformers.models.phi3 import modeling_phi3
 
-from loom.layers.rotary import RotaryEmbedding, get_rope, rope_params
+from loom.layers.rotary import RotaryEmbedding, context_length, get_rope, rope_params
 
 HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, MAX_POS = 32, 4, 2, 64
 ATOL = 1e-5
@@ -236,3 +236,67 @@ def test_get_rope_shares_only_identical_tables():
 def test_unsupported_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="longrope"):
         RotaryEmbedding(HEAD_DIM, HEAD_DIM, MAX_POS, 1e4, {"rope_type": "mrope"})
+
+
+@pytest.mark.parametrize(
+    "rope, want",
+    [
+        (None, 4096),
+        ({"rope_type": "linear", "factor": 4.0}, 16384),
+        ({"type": "dynamic", "factor": 2.0}, 8192),
+        # yarn stretches its pre-scaling length, not max_position_embeddings
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, 8192),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, 16384),
+        # these state the extended length in max_position_embeddings already
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+            4096,
+        ),
+    ],
+)
+def test_context_length_is_vllms_rule(rope, want):
+    """vLLM's rule (``_get_and_verify_max_len``): the factor multiplies the pre-scaling length
+    for linear, dynamic and yarn; the model's tables cover exactly that length."""
+    config = LlamaConfig(
+        hidden_size=HEAD_DIM * NUM_HEADS,
+        num_attention_heads=NUM_HEADS,
+        max_position_embeddings=4096,
+        rope_scaling=rope,
+    )
+    assert context_length(config) == want
+    theta, scaling = rope_params(config)
+    rope_emb = get_rope(HEAD_DIM, HEAD_DIM, 4096, theta, scaling, num_positions=want)
+    assert rope_emb.num_positions == want
+
+
+def test_gemma3_states_its_scaled_length():
+    """Gemma 3's global layers scale linearly by 8, and its max_position_embeddings is already
+    the scaled length (vLLM's exception): the context is not stretched again."""
+    config = Gemma3TextConfig(
+        hidden_size=HEAD_DIM * NUM_HEADS,
+        num_attention_heads=NUM_HEADS,
+        max_position_embeddings=4096,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
+    assert context_length(config) == 4096
+    # the same scaling on another model type stretches it
+    config.model_type = "llama"
+    assert context_length(config) == 8 * 4096
+
+
+def test_context_length_past_the_models_is_refused(tmp_path):
+    from loom.config.server_args import ServerArgs
+    from loom.model_executor.model_runner import model_config_for
+    from tests.conftest import save_tiny_llama
+
+    path = save_tiny_llama(tmp_path / "m", max_position_embeddings=512)
+    args = ServerArgs(model=path, context_length=256)
+    assert model_config_for(args, torch.float32)[1].context_len == 256
+    with pytest.raises(ValueError, match="--context-length 1024 is longer than the model's 512"):
+        model_config_for(ServerArgs(model=path, context_length=1024), torch.float32)

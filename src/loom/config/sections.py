@@ -106,7 +106,11 @@ class ModelArgs:
         ),
     )
     context_length: int | None = field(
-        default=None, metadata=_arg("Override the model's maximum context length.")
+        default=None,
+        metadata=_arg(
+            "The longest sequence served (default: the model's, max_position_embeddings with "
+            "its rope scaling); at most the model's."
+        ),
     )
     random_seed: int = field(
         default=0,

@@ -20,10 +20,12 @@ rotates all ``S`` positions with one set, the ``seq_len = S`` frequencies (dynam
 prompt that way, so for a prompt longer than the threshold its cached keys differ from Loom's;
 prompts within the threshold, and tokens fed one at a time, match.
 
-A table covers ``max_position_embeddings`` positions, or ``factor`` times the pre-scaling length
-when that is longer for linear, dynamic and yarn (vLLM's rule): their configs keep the pre-scaling
-length in ``max_position_embeddings`` (yarn: in ``original_max_position_embeddings``), while
-llama3 and longrope configs state the extended length there.
+A model's context length (``context_length``) is ``max_position_embeddings``, or ``factor`` times
+the pre-scaling length when that is longer for linear, dynamic and yarn (vLLM's rule): their
+configs keep the pre-scaling length in ``max_position_embeddings`` (yarn: in
+``original_max_position_embeddings``), while llama3 and longrope configs state the extended length
+there, and so do Gemma 3's (whose global layers scale linearly). A model's tables cover that
+length.
 """
 
 from __future__ import annotations
@@ -116,16 +118,40 @@ def _num_positions(rope_type: str, max_position: int, params: dict[str, Any]) ->
     return max(max_position, math.ceil(params["factor"] * original))
 
 
+def context_length(config: Any) -> int:
+    """The longest sequence ``config``'s positions cover (the module's docstring gives the
+    rule); with rope parameters per layer type, the longest of them."""
+    base = getattr(config, "max_position_embeddings", None) or 2048
+    if str(getattr(config, "model_type", "")).startswith("gemma3"):
+        return base
+    params = getattr(config, "rope_parameters", None)
+    kinds = (
+        [k for k, v in params.items() if isinstance(v, dict)] if isinstance(params, dict) else []
+    )
+    lengths = [base]
+    for kind in kinds or [None]:
+        _, scaling = rope_params(config, kind)
+        if scaling is not None:
+            lengths.append(_num_positions(scaling["rope_type"], base, scaling))
+    return max(lengths)
+
+
 def _cos_sin_tables(
-    rotary_dim: int, max_position: int, base: float, params: dict[str, Any]
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    params: dict[str, Any],
+    num_positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``[num_positions, rotary_dim / 2]`` cos and sin tables, attention factor applied."""
+    """fp32 ``[num_positions, rotary_dim / 2]`` cos and sin tables, attention factor applied
+    (``num_positions``: by default the length the scaling stretches ``max_position`` to)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = params["rope_type"]
     init = {**ROPE_INIT_FUNCTIONS, "default": _default_parameters}[rope_type]
     config = _hf_config(rotary_dim, max_position, base, params)
-    num_positions = _num_positions(rope_type, max_position, params)
+    if num_positions is None:
+        num_positions = _num_positions(rope_type, max_position, params)
     inv_freq, attention_factor = init(config)
     rows = _POSITION_DEPENDENT.get(rope_type)
     if rows is not None:
@@ -136,9 +162,10 @@ def _cos_sin_tables(
 
 class RotaryEmbedding(nn.Module):
     """Rotary embedding of the first ``rotary_dim`` dims of each head. ``max_position`` is the
-    model config's ``max_position_embeddings`` (HF's rope functions read it); the table covers
-    ``num_positions >= max_position`` positions. ``scaling``: the HF rope parameters (4.x
-    ``rope_scaling`` or 5.x ``rope_parameters``), None for plain rope."""
+    model config's ``max_position_embeddings`` (HF's rope functions read it). ``scaling``: the
+    HF rope parameters (4.x ``rope_scaling`` or 5.x ``rope_parameters``), None for plain rope.
+    The table covers ``num_positions`` positions (the model's ``context_length``), by default
+    the length ``scaling`` stretches ``max_position`` to."""
 
     def __init__(
         self,
@@ -147,6 +174,7 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         scaling: dict[str, Any] | None = None,
+        num_positions: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -156,7 +184,7 @@ class RotaryEmbedding(nn.Module):
         device = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
         # Built on the CPU, so every device holds the same table.
         with torch.device("cpu"):
-            cos, sin = _cos_sin_tables(rotary_dim, max_position, float(base), params)
+            cos, sin = _cos_sin_tables(rotary_dim, max_position, float(base), params, num_positions)
         self.num_positions = cos.shape[0]
         # fp32 caches, indexed by position; cast to the activation dtype per call like HF does.
         self.register_buffer("cos_cache", cos.to(device), persistent=False)
@@ -248,6 +276,7 @@ def get_rope(
     max_position: int,
     base: float,
     scaling: dict[str, Any] | None = None,
+    num_positions: int | None = None,
 ) -> RotaryEmbedding:
     """A shared instance per table and device: layers of a model reuse one cache. The key holds
     every argument the table depends on (the scaling dict normalized, so ``type``/``rope_type``
@@ -260,11 +289,12 @@ def get_rope(
         max_position,
         float(base),
         repr(sorted(params.items())),
+        num_positions,
         str(device),
     )
     rope = _ROPE_INSTANCES.get(key)
     if rope is None:
         rope = _ROPE_INSTANCES[key] = RotaryEmbedding(
-            head_dim, rotary_dim, max_position, base, scaling
+            head_dim, rotary_dim, max_position, base, scaling, num_positions
         )
     return rope

@@ -18,6 +18,7 @@ from loom.config import device_defaults
 from loom.distributed import get_tp_size
 from loom.forward_batch import ForwardBatch, ForwardMode
 from loom.layers.attention.base import AttentionBackend, AttentionContext, attention_features
+from loom.layers.rotary import context_length
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader
 from loom.model_loader.model_path import resolve_model_path
@@ -68,7 +69,13 @@ def model_config_for(
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ValueError(f"the model config at {path} names no `architectures`")
-    model_context = getattr(hf_config, "max_position_embeddings", 2048)
+    model_context = context_length(hf_config)
+    if args.context_length is not None and args.context_length > model_context:
+        raise ValueError(
+            f"--context-length {args.context_length} is longer than the model's "
+            f"{model_context} (max_position_embeddings with its rope scaling): positions past "
+            "it were never trained and have no rotary table"
+        )
     return loader, ModelConfig(
         path=path,
         hf_config=hf_config,

@@ -26,7 +26,7 @@ from loom.layers.activation import gated_activation
 from loom.layers.attention.layer import Attention
 from loom.layers.layernorm import GemmaRMSNorm, RMSNorm
 from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from loom.layers.rotary import get_rope, rope_params
+from loom.layers.rotary import context_length, get_rope, rope_params
 from loom.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from loom.model_loader.weight_utils import load_packed_weights
 from loom.models.base import CausalLM
@@ -119,7 +119,12 @@ class DecoderAttention(nn.Module):
             rotary = config.rope_parameters.get("partial_rotary_factor")
         rotary_dim = int(self.head_dim * (rotary or 1.0))
         self.rotary_emb = get_rope(
-            self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling
+            self.head_dim,
+            rotary_dim,
+            config.max_position_embeddings,
+            theta,
+            scaling,
+            num_positions=context_length(config),
         )
         pre_scalar = getattr(config, "query_pre_attn_scalar", None) if spec.gemma else None
         self.attn = Attention(
