@@ -131,3 +131,52 @@ def test_rotary_store_into_an_fp8_cache(kv_dtype):
     assert torch.equal(k_cache[loc].float(), k.reshape(t, hk, head_dim))
     assert torch.equal(v_cache[loc].float(), v.reshape(t, hk, head_dim).clamp(-top, top))
     assert v_cache[3, 0, 0].float() == top
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("hq,hk,t", [(4, 2, 3), (4, 2, 70)])
+def test_rotary_with_the_qk_norm(dtype, gemma, store, hq, hk, t):
+    """Qwen3's and Gemma 3's per-head q/k RMSNorm fused into the rotary kernel (and its KV
+    store): the layers' plain-PyTorch norm over each head, then the rotation."""
+    from loom.layers.layernorm import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    head_dim, slots = 32, 2 * t
+    rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0).to(DEVICE)
+    norms = []
+    for _ in range(2):
+        norm = (GemmaRMSNorm if gemma else RMSNorm)(head_dim, eps=1e-6).to(DEVICE, dtype)
+        norm.weight.data = torch.randn(head_dim, device=DEVICE).to(dtype)
+        if gemma:
+            norm.process_weights_after_loading()
+        norms.append(norm)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEVICE, dtype=dtype) * 3
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    positions = torch.randint(0, 64, (t,), device=DEVICE)
+    cos, sin = rope.cos_sin(positions, dtype)
+
+    def plain(x, norm):  # the layer's PyTorch path (fused_ops off on CPU tensors)
+        h = x.float().reshape(-1, head_dim)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        w = 1.0 + norm.weight.float() if gemma else norm.weight.float()
+        return rope._rotate((w * h).to(dtype).reshape(t, -1), cos, sin)
+
+    want_q, want_k = plain(q, norms[0]), plain(k, norms[1])
+    qk_norm = (norms[0].kernel_weight(), norms[1].kernel_weight(), 1e-6)
+    tol = dict(atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+    if store:
+        k_cache = torch.zeros(slots, hk, head_dim, device=DEVICE, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        loc = torch.arange(t, device=DEVICE) * 2
+        fused_ops.rotary_inplace(
+            q, k, cos, sin, head_dim, v, k_cache, v_cache, loc, qk_norm=qk_norm
+        )
+        got_k = k_cache[loc].reshape(t, -1)
+        assert torch.equal(v_cache[loc].reshape(t, -1), v)
+    else:
+        fused_ops.rotary_inplace(q, k, cos, sin, head_dim, qk_norm=qk_norm)
+        got_k = k
+    torch.testing.assert_close(q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(got_k.float(), want_k.float(), **tol)

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the small per-layer ops of a decoder: residual-add + RMSNorm, rotary
-embedding (in place), SiLU-and-mul. On a GPU each replaces 2-16 separate kernels; inside a CUDA
+embedding (in place, with the per-head q/k RMSNorm some models apply before it), SiLU-and-mul. On a GPU each replaces 2-16 separate kernels; inside a CUDA
 graph a kernel still costs ~2 us, which made these ops about a third of a Llama-3-8B decode step
 (measured in docs/benchmarks.md). Layers call them for CUDA tensors only; the plain-PyTorch
 paths in the layers are the reference they are tested against (on CPU under TRITON_INTERPRET=1).
@@ -55,6 +55,17 @@ if HAS_TRITON:
         tl.store(Out + row * stride_o + cols, (w * y).to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _norm_halves(x1, x2, W, offs, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DTYPE):
+        """RMSNorm of each head row given as its two halves (fp32), rounded as
+        ``_add_rmsnorm_kernel`` rounds: the normalised value, then its product with ``W``."""
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.load(W + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        y1 = (x1 * rstd[:, None]).to(DTYPE).to(tl.float32)
+        y2 = (x2 * rstd[:, None]).to(DTYPE).to(tl.float32)
+        return (w1 * y1).to(DTYPE).to(tl.float32), (w2 * y2).to(DTYPE).to(tl.float32)
+
+    @triton.jit
     def _rotary_kernel(
         Q,
         K,
@@ -64,6 +75,9 @@ if HAS_TRITON:
         KCache,
         VCache,
         Loc,
+        QW,
+        KW,
+        eps,
         stride_q,
         stride_k,
         stride_v,
@@ -78,12 +92,14 @@ if HAS_TRITON:
         HEADS_BLOCK: tl.constexpr,
         STORE: tl.constexpr,
         CLAMP: tl.constexpr,
+        NORM: tl.constexpr,
     ):
         # One program per (token, group of HEADS heads): a [HEADS, HALF] tile. HEADS divides
         # both head counts, so a group is all q heads (rotated in place) or all k heads (rotated
         # in place, or with STORE written rotated into the KV cache at the token's slot
         # together with the token's v heads). Few tokens (decode) take HEADS = 1 for more
-        # programs; many (prefill) take larger groups for fewer, fuller ones.
+        # programs; many (prefill) take larger groups for fewer, fuller ones. NORM: each head is
+        # RMS-normalised first (Qwen3's and Gemma 3's q/k norms, weights QW and KW).
         t = tl.program_id(0)
         h0 = tl.program_id(1) * HEADS
         offs = tl.arange(0, BLOCK)
@@ -98,6 +114,8 @@ if HAS_TRITON:
             base = Q + t * stride_q + h0 * HEAD_DIM
             x1 = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(base + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+            if NORM:
+                x1, x2 = _norm_halves(x1, x2, QW, offs, eps, HEAD_DIM, HALF, Q.dtype.element_ty)
             tl.store(base + cols, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mask)
             tl.store(base + HALF + cols, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mask)
         else:
@@ -105,6 +123,8 @@ if HAS_TRITON:
             base = K + t * stride_k + kh * HEAD_DIM
             x1 = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(base + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+            if NORM:
+                x1, x2 = _norm_halves(x1, x2, KW, offs, eps, HEAD_DIM, HALF, K.dtype.element_ty)
             o1 = x1 * cos - x2 * sin
             o2 = x2 * cos + x1 * sin
             if STORE:
@@ -199,9 +219,11 @@ def rotary_inplace(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     loc: torch.Tensor | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """Rotate ``q [T, Hq * D]`` and ``k [T, Hk * D]`` in place (row strides may exceed the
     width: they can be column slices of a fused qkv output). ``cos``/``sin`` are ``[T, D/2]``.
+    ``qk_norm``: (q weight, k weight, eps) of an RMSNorm over each head, applied first.
 
     With ``k_cache``/``v_cache`` (``[slots, Hk, D]``) and ``loc`` (``[T]`` slots), the rotated
     k and the unchanged ``v`` are written into the caches instead (``k`` is left as it was):
@@ -219,6 +241,7 @@ def rotary_inplace(
     if q.shape[0] == 0:
         return
     heads = rotary_heads_per_program(q.shape[0], num_q, num_k)
+    qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rotary_kernel[(q.shape[0], (num_q + num_k) // heads)](
         q,
         k,
@@ -228,6 +251,9 @@ def rotary_inplace(
         kc,
         vc,
         loc,
+        qw,
+        kw,
+        eps,
         q.stride(0),
         k.stride(0),
         v.stride(0),
@@ -242,6 +268,7 @@ def rotary_inplace(
         HEADS_BLOCK=triton.next_power_of_2(heads),
         STORE=store,
         CLAMP=float(torch.finfo(k_cache.dtype).max) if store and k_cache.dtype in _FP8 else 0.0,
+        NORM=qk_norm is not None,
     )
 
 

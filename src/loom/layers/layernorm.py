@@ -15,6 +15,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the fused kernels multiply by."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if use_fused(x):
             return add_rmsnorm(x, residual, self.weight, self.eps)
@@ -41,12 +45,15 @@ class GemmaRMSNorm(RMSNorm):
         else:
             self._scale = scale
 
+    def kernel_weight(self) -> torch.Tensor:
+        scale = getattr(self, "_scale", None)
+        if scale is None:
+            scale = (1.0 + self.weight.float()).to(self.weight.dtype)
+        return scale
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if use_fused(x):
-            scale = getattr(self, "_scale", None)
-            if scale is None:
-                scale = (1.0 + self.weight.float()).to(self.weight.dtype)
-            return add_rmsnorm(x, residual, scale, self.eps)
+            return add_rmsnorm(x, residual, self.kernel_weight(), self.eps)
         if residual is not None:
             x = x + residual
             residual = x

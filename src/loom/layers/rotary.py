@@ -215,27 +215,32 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ):
+        """``qk_norm`` (q weight, k weight, eps: an RMSNorm over each head, applied first)
+        only where :meth:`fuses` says the kernel runs."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
-        if use_fused(q) and self.rotary_dim == self.head_dim:
-            rotary_inplace(q, k, cos, sin, self.head_dim)
+        if self.fuses(q):
+            rotary_inplace(q, k, cos, sin, self.head_dim, qk_norm=qk_norm)
             return q, k
+        assert qk_norm is None, "the q/k norm is fused only into the kernel"
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def fuses(self, q: torch.Tensor) -> bool:
+        """Whether the fused kernel rotates ``q`` (it may then apply the q/k norm too)."""
+        return use_fused(q) and self.rotary_dim == self.head_dim
 
     def can_store(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether :meth:`forward_store` can run (the fused kernel; a cache of q's dtype or
         fp8)."""
-        return (
-            use_fused(q)
-            and self.rotary_dim == self.head_dim
-            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn, torch.float8_e5m2)
-        )
+        return self.fuses(q) and k_cache.dtype in (q.dtype, torch.float8_e4m3fn, torch.float8_e5m2)
 
-    def forward_store(self, q, k, v, cos_sin, k_cache, v_cache, loc) -> None:
+    def forward_store(self, q, k, v, cos_sin, k_cache, v_cache, loc, qk_norm=None) -> None:
         """Rotate ``q`` in place and write rotated ``k`` and ``v`` into the KV cache at
-        ``loc``, in one kernel (check :meth:`can_store` first)."""
+        ``loc``, in one kernel (check :meth:`can_store` first); ``qk_norm`` as in
+        :meth:`forward`."""
         cos, sin = cos_sin
-        rotary_inplace(q, k, cos, sin, self.head_dim, v, k_cache, v_cache, loc)
+        rotary_inplace(q, k, cos, sin, self.head_dim, v, k_cache, v_cache, loc, qk_norm)
 
 
 def rope_params(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:

@@ -149,19 +149,24 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk_norm = None
         if self.q_norm is not None:
-            q = self._norm_heads(q.contiguous(), self.q_norm)
-            k = self._norm_heads(k.contiguous(), self.k_norm)
+            if self.rotary_emb.fuses(q):  # the rotary kernel normalises each head first
+                w_q, w_k = self.q_norm.kernel_weight(), self.k_norm.kernel_weight()
+                qk_norm = (w_q, w_k, self.q_norm.eps)
+            else:
+                q = self._norm_heads(q.contiguous(), self.q_norm)
+                k = self._norm_heads(k.contiguous(), self.k_norm)
         pool = batch.kv_pool
         if cos_sin is not None and pool is not None:
             k_cache, v_cache = pool.get_kv(self.attn.layer_id)
             if self.rotary_emb.can_store(q, k_cache):
                 # One kernel rotates q and k and stores k and v into the KV pool.
                 self.rotary_emb.forward_store(
-                    q, k, v, cos_sin, k_cache, v_cache, batch.out_cache_loc
+                    q, k, v, cos_sin, k_cache, v_cache, batch.out_cache_loc, qk_norm
                 )
                 return self.o_proj(self.attn(q, None, None, batch, save_kv=False))
-        q, k = self.rotary_emb(positions, q, k, cos_sin)
+        q, k = self.rotary_emb(positions, q, k, cos_sin, qk_norm)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
