@@ -178,14 +178,17 @@ def tiny(tmp_path_factory):
 
 
 def test_logprobs_equal_hf_log_softmax(engine, hf_model):
-    """Output (chosen and top-5) and prompt logprobs against HF's logits on the same ids."""
+    """Output (chosen, top-5 and chosen ids') and prompt logprobs against HF's logits on the
+    same ids."""
     ids = chat_ids(engine, "Name a fruit.")
+    probe = [ids[1], 0, 42, 42, engine.vocab_size - 1]  # (a repeat is answered twice)
     out = engine.generate(
         input_ids=ids,
         sampling_params={"max_new_tokens": 6, "temperature": 0},
         return_logprob=True,
         top_logprobs_num=5,
         logprob_start_len=0,
+        token_ids_logprob=probe,
     )
     meta = out["meta_info"]
     full = ids + out["output_ids"]
@@ -199,6 +202,17 @@ def test_logprobs_equal_hf_log_softmax(engine, hf_model):
         assert [t for _, t, _ in meta["output_top_logprobs"][j]] == top_i.tolist()
         for (v, _, _), ref in zip(meta["output_top_logprobs"][j], top_v.tolist(), strict=True):
             assert abs(v - ref) < 1e-3
+        chosen = meta["output_token_ids_logprobs"][j]
+        assert [t for _, t, _ in chosen] == probe
+        assert [v for v, _, _ in chosen] == pytest.approx(lsm[pos, probe].tolist(), abs=1e-3)
+    assert len(meta["output_token_ids_logprobs"]) == len(out["output_ids"])
+    inp_chosen = meta["input_token_ids_logprobs"]
+    assert len(inp_chosen) == len(ids) and inp_chosen[0] is None
+    for q in range(1, len(ids)):
+        assert [t for _, t, _ in inp_chosen[q]] == probe
+        assert [v for v, _, _ in inp_chosen[q]] == pytest.approx(
+            lsm[q - 1, probe].tolist(), abs=1e-3
+        )
     inp = meta["input_token_logprobs"]
     assert len(inp) == len(ids) and inp[0][0] is None and inp[0][1] == ids[0]
     for q in range(1, len(ids)):
@@ -356,3 +370,8 @@ def test_bad_values_name_the_field(engine):
             engine.generate(prompt="hi", sampling_params=params)
     with pytest.raises(ValueError, match="top_logprobs_num"):
         engine.generate(prompt="hi", top_logprobs_num=3)
+    with pytest.raises(ValueError, match="token_ids_logprob"):
+        engine.generate(prompt="hi", token_ids_logprob=[1])  # (no return_logprob)
+    for bad in ([engine.vocab_size], [-1], ["7"], [[1, 2]], list(range(1025))):
+        with pytest.raises(ValueError, match="token_ids_logprob"):
+            engine.generate(prompt="hi", return_logprob=True, token_ids_logprob=bad)

@@ -410,6 +410,45 @@ def test_logprob_texts_prompt_ids_and_stream_interval(server, engine_on, ref):
     assert all(b - a >= 3 for a, b in zip(counts[:-2], counts[1:-1], strict=True))
 
 
+def test_token_ids_logprob_one_list_per_prompt(server, engine_on, ref):
+    """SGLang's ``token_ids_logprob`` for a batch, one list per prompt: every output and prompt
+    position reports those ids, in their order, equal to the engine's own logprobs."""
+    ids, out_ids, _ = ref
+    prompts = [ids, ids[:-2]]
+    probes = [[out_ids[0], 0, 42], [7]]
+    sp = {"max_new_tokens": 3, "temperature": 0}
+    body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True}
+    got = generate(server, **body, logprob_start_len=len(ids) - 4, token_ids_logprob=probes).json()
+    for prompt, probe, r in zip(prompts, probes, got, strict=True):
+        meta = r["meta_info"]
+        want = engine_on.generate(
+            input_ids=prompt,
+            sampling_params=sp,
+            return_logprob=True,
+            logprob_start_len=len(ids) - 4,
+            token_ids_logprob=probe,
+        )["meta_info"]
+        for key in ("output_token_ids_logprobs", "input_token_ids_logprobs"):
+            assert len(meta[key]) == len(want[key]) > 0
+            for row, ref_row in zip(meta[key], want[key], strict=True):
+                assert [t for _, t, _ in row] == probe
+                assert [v for v, _, _ in row] == pytest.approx([v for v, _, _ in ref_row], abs=1e-3)
+    # the sampled token's own logprob, seen both ways
+    first = got[0]["meta_info"]
+    assert first["output_token_ids_logprobs"][0][0][0] == pytest.approx(
+        first["output_token_logprobs"][0][0], abs=1e-5
+    )
+    # one flat list serves every prompt; a bad id or a list per prompt of the wrong length
+    # is a 400 naming the field
+    flat = generate(server, **body, token_ids_logprob=[5, 6]).json()
+    assert all(
+        [t for _, t, _ in r["meta_info"]["output_token_ids_logprobs"][0]] == [5, 6] for r in flat
+    )
+    for bad in ([[1], [2], [3]], [1 << 40], [[1], ["x"]]):
+        r = generate(server, **body, token_ids_logprob=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", bad
+
+
 def test_null_fields_take_sglangs_defaults(engine):
     ids, params = engine._prepare(None, [1, 2, 3], {"max_new_tokens": None, "temperature": None})
     assert params.max_new_tokens == engine.context_len - 3  # what the context leaves

@@ -20,7 +20,7 @@ from typing import Any
 
 from loom import plugins
 from loom.config import ServerArgs
-from loom.engine.fan_out import fan_out
+from loom.engine.fan_out import LOGPROB_OPTIONS, fan_out
 from loom.engine.outputs import OutputConsumer, ReqState, final_result, wait_all
 from loom.engine.profile import FrontendProfile
 from loom.engine.router import OutputRouter
@@ -245,6 +245,9 @@ class Engine:
                 st.logprobs["input_token_logprobs"] = []
                 if req.top_logprobs_num:
                     st.logprobs["input_top_logprobs"] = []
+            if req.token_ids_logprob:
+                st.logprobs["output_token_ids_logprobs"] = []
+                st.logprobs["input_token_ids_logprobs"] = []
         if batch is None:
             self._send([req])
         else:
@@ -348,6 +351,7 @@ class Engine:
         logprob_start_len: int | list[int] = -1,
         lora_path: str | list[str | None] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
         *,
         return_text_in_logprobs: bool = True,
         return_prompt_token_ids: bool = False,
@@ -364,13 +368,14 @@ class Engine:
         LoRA adapter from ``--lora-paths`` (None: the base model), the logprob options, and
         ``custom_logit_processor``: a processor installed on the server by name, or SGLang's
         serialised ``CustomLogitProcessor.to_str()`` (only with
-        ``--enable-custom-logit-processor``). ``return_text_in_logprobs=False`` gives None in
-        place of each logprob entry's text (SGLang's default); ``return_prompt_token_ids``
-        adds the prompt's ids to each result (``prompt_token_ids``).
+        ``--enable-custom-logit-processor``). ``token_ids_logprob`` (with ``return_logprob``)
+        adds the logprobs of those ids at every output position (``output_token_ids_logprobs``)
+        and prompt position (``input_token_ids_logprobs``, from ``logprob_start_len``): a list
+        of ids for every prompt, or one list per prompt. ``return_text_in_logprobs=False``
+        gives None in place of each logprob entry's text (SGLang's default);
+        ``return_prompt_token_ids`` adds the prompt's ids to each result (``prompt_token_ids``).
         """
-        lp = (return_logprob, top_logprobs_num, logprob_start_len)
-        options = (sampling_params, rid, priority, extra_key, lora_path, custom_logit_processor)
-        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options, lp)
+        rows, many = self._fan_out(locals())
         out = {"logprob_text": return_text_in_logprobs, "prompt_ids": return_prompt_token_ids}
         if not many:
             st = self._submit_all(rows, **out)[0]
@@ -381,6 +386,21 @@ class Engine:
         return wait_all(self._submit_all(rows, shared=shared, **out), shared, self._consume.one)
 
     # ---- LoRA adapters while serving ------------------------------------------------------
+
+    def _fan_out(self, args: dict[str, Any]) -> tuple[list[tuple], bool]:
+        """``generate``'s (or ``async_generate``'s) arguments as validated request rows."""
+        lp = tuple(args[k] for k in LOGPROB_OPTIONS)
+        keys = ("sampling_params", "rid", "priority", "extra_key", "lora_path")
+        return fan_out(
+            self._prepare,
+            self._check_lora,
+            args["prompt"],
+            args["input_ids"],
+            *(args[k] for k in keys),
+            args["custom_logit_processor"],
+            lp,
+            vocab_size=self.vocab_size,
+        )
 
     def _check_lora(self, name: Any) -> None:
         check_lora(name, self.lora_names)
@@ -425,6 +445,7 @@ class Engine:
         logprob_start_len: int | list[int] = -1,
         lora_path: str | list[str | None] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
         *,
         return_text_in_logprobs: bool = True,
         return_prompt_token_ids: bool = False,
@@ -433,9 +454,7 @@ class Engine:
         list of results (prompt-major, its samples in order), every request submitted in one
         message. ``stream=True`` returns an async iterator of increments (``text`` is the new
         text, ``output_ids`` the new ids), or for a batch or ``n > 1`` a list of them."""
-        lp = (return_logprob, top_logprobs_num, logprob_start_len)
-        options = (sampling_params, rid, priority, extra_key, lora_path, custom_logit_processor)
-        rows, many = fan_out(self._prepare, self._check_lora, prompt, input_ids, *options, lp)
+        rows, many = self._fan_out(locals())
         out = {"logprob_text": return_text_in_logprobs, "prompt_ids": return_prompt_token_ids}
         states = self._submit_all(rows, loop=asyncio.get_running_loop(), **out)
         if stream:

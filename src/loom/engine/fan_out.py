@@ -15,8 +15,10 @@ from loom.engine.validation import check_options, logprob_options
 from loom.sampling.limits import ParamError
 from loom.sampling.sampling_params import SamplingParams
 
-# return_logprob, top_logprobs_num, logprob_start_len: one value for every prompt, or a list
-LOGPROB_OPTIONS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+# return_logprob, top_logprobs_num, logprob_start_len: one value for every prompt, or a list;
+# token_ids_logprob: a list of ids for every prompt, or a list of such lists (SGLang's forms)
+LOGPROB_OPTIONS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
+NO_LOGPROBS = (False, 0, -1, None)
 
 
 def fan_out(
@@ -30,15 +32,16 @@ def fan_out(
     extra_key,
     lora_path,
     custom_logit_processor=None,
-    logprob=(False, 0, -1),
+    logprob=NO_LOGPROBS,
+    vocab_size: int | None = None,
 ) -> tuple[list[tuple], bool]:
     """Every request one call asks for, all validated before any is submitted: each prompt
     of a batch (or the one prompt) times its ``n``. Sample ``i`` of ``n`` is request
     ``{rid}-{i}`` with seed + i when seeded; the scheduler prefills a shared prompt once
     (identical prompts admitted together wait one step for the first one's KV).
     ``custom_logit_processor`` (SGLang's top-level argument, one or one per prompt) goes into
-    each prompt's sampling parameters; ``logprob`` is (return_logprob, top_logprobs_num,
-    logprob_start_len), each one value or one per prompt. Returns the (ids, params, rid,
+    each prompt's sampling parameters; ``logprob`` is ``LOGPROB_OPTIONS``' values, each for
+    every prompt or one per prompt (ids checked against ``vocab_size``). Returns the (ids, params, rid,
     priority, extra_key, lora, logprob) rows and whether the call asked for more than one
     request (its results are then a list)."""
     batch = _as_batch(prepare, prompt, input_ids, sampling_params, rid, custom_logit_processor)
@@ -52,21 +55,23 @@ def fan_out(
         per = [(priority, extra_key, lora_path, *logprob)]
     else:
         n = len(batch)
+        *scalars, ids = logprob
         lists = [
             v if isinstance(v, list) else [v] * n
-            for v in (priority, extra_key, lora_path, *logprob)
+            for v in (priority, extra_key, lora_path, *scalars)
         ]
-        if any(len(v) != n for v in lists):
-            raise ValueError(
-                "priority, extra_key, lora_path and logprob option lists must match the number "
-                "of prompts"
-            )
+        nested = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        lists.append(ids if nested else [ids] * n)
+        names = ("priority", "extra_key", "lora_path", *LOGPROB_OPTIONS)
+        for name, v in zip(names, lists, strict=True):
+            if len(v) != n:
+                raise ParamError(name, f"{name}: a list of {len(v)} for {n} prompts")
         rows, per = batch, list(zip(*lists, strict=True))
     checked = []
     for pr, k, lo, *lp in per:
         check_options(pr, k)
         check_lora(lo)
-        checked.append((pr, k, lo, logprob_options(*lp)))
+        checked.append((pr, k, lo, logprob_options(*lp, vocab_size=vocab_size)))
     out = []
     for (ids, params, r), (pr, k, lo, lp) in zip(rows, checked, strict=True):
         for i in range(params.n):

@@ -118,7 +118,7 @@ def merge_increments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Two consecutive increments of one request as one (``b``'s meta_info, with the
     per-token logprob lists of both)."""
     meta = dict(b["meta_info"])
-    for key in ("output_token_logprobs", "output_top_logprobs"):
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
         if key in meta:
             meta[key] = a["meta_info"].get(key, []) + meta[key]
     return {
@@ -207,7 +207,14 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
 
 
 # logprob lists of the prompt: sent whole, once, with the prompt's last chunk
-_WHOLE_PROMPT = ("input_token_logprobs", "input_top_logprobs")
+_WHOLE_PROMPT = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+# lists of entries per position (a position with none is None)
+_ROWS = (
+    "output_top_logprobs",
+    "input_top_logprobs",
+    "output_token_ids_logprobs",
+    "input_token_ids_logprobs",
+)
 
 
 def _with_text(tokenizer: Any, key: str, entries: list) -> list:
@@ -217,7 +224,7 @@ def _with_text(tokenizer: Any, key: str, entries: list) -> list:
     def text(i: int) -> str | None:
         return tok.decode([i]) if tok is not None else None
 
-    if key in ("output_top_logprobs", "input_top_logprobs"):
+    if key in _ROWS:
         return [None if row is None else [(lp, i, text(i)) for lp, i in row] for row in entries]
     return [(lp, i, text(i)) for lp, i in entries]
 

@@ -112,16 +112,44 @@ def check_processor(params: SamplingParams, enable_serialized: bool) -> None:
         proc.validate_params(params.custom_params or {})
 
 
-def logprob_options(ret: Any, top: Any, start: Any) -> tuple[bool, int, int]:
+# token_ids_logprob: at most this many ids (each is one more logprob per position)
+MAX_TOKEN_IDS_LOGPROB = 1024
+
+
+def logprob_options(
+    ret: Any, top: Any, start: Any, ids: Any = None, vocab_size: int | None = None
+) -> tuple[bool, int, int, tuple[int, ...] | None]:
+    """One request's logprob options, checked: ``return_logprob``, ``top_logprobs_num``,
+    ``logprob_start_len`` and ``token_ids_logprob`` (the ids whose logprobs every position
+    reports; null or empty: none)."""
     if not isinstance(ret, bool):
         raise ParamError("return_logprob", f"return_logprob must be a boolean, got {show(ret)}")
     check_number("top_logprobs_num", top)
     check_number("logprob_start_len", start)
-    if (top or start >= 0) and not ret:
+    ids = token_ids_option(ids, vocab_size)
+    if (top or start >= 0 or ids) and not ret:
         raise ParamError(
-            "return_logprob", "top_logprobs_num / logprob_start_len need return_logprob=True"
+            "return_logprob",
+            "top_logprobs_num / logprob_start_len / token_ids_logprob need return_logprob=True",
         )
-    return ret, top, start
+    return ret, top, start, ids
+
+
+def token_ids_option(ids: Any, vocab_size: int | None) -> tuple[int, ...] | None:
+    """``token_ids_logprob`` for one request: a token id or a list of them (SGLang's forms),
+    each in the vocabulary; None when it asks for none."""
+    if ids is None or ids == []:
+        return None
+    if not isinstance(ids, list):
+        ids = [ids]
+    if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+        raise ParamError(
+            "token_ids_logprob",
+            f"token_ids_logprob has {len(ids)} ids; at most {MAX_TOKEN_IDS_LOGPROB}",
+        )
+    for i in ids:
+        check_number("token_id", i, "a token_ids_logprob entry", vocab_size, "token_ids_logprob")
+    return tuple(ids)
 
 
 def check_options(priority: Any, extra_key: Any) -> None:

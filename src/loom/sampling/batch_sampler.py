@@ -43,6 +43,8 @@ class Sampled:
     logprobs: torch.Tensor | None = None  # [bs] log_softmax of the raw logits at the token
     top_values: torch.Tensor | None = None  # [bs, k]
     top_ids: torch.Tensor | None = None  # [bs, k]
+    # [bs, m]: row i's first len(token_ids_logprob) entries are those ids' logprobs
+    token_ids_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -313,4 +315,9 @@ def _finish(tokens, raw, reqs, want_lp) -> Sampled:
         k = max(r.top_logprobs_num for r in reqs)
         if k > 0:
             out.top_values, out.top_ids = lsm.topk(k, dim=-1)
+        chosen = [r.token_ids_logprob or () for r in reqs]
+        m = max(map(len, chosen))
+        if m:
+            ids = torch.tensor([list(c) + [0] * (m - len(c)) for c in chosen])
+            out.token_ids_values = lsm.gather(1, ids.to(lsm.device, non_blocking=True))
     return out

@@ -59,7 +59,13 @@ class InflightStep:
         host = Sampled(
             *(
                 None if t is None else _to_host(t)
-                for t in (out.tokens, out.logprobs, out.top_values, out.top_ids)
+                for t in (
+                    out.tokens,
+                    out.logprobs,
+                    out.top_values,
+                    out.top_ids,
+                    out.token_ids_values,
+                )
             )
         )
         event = None
@@ -69,7 +75,8 @@ class InflightStep:
         return cls(reqs, out.tokens, host, event, begin, chained)
 
     def host_results(self, stats: SchedulerStats) -> tuple[list[int], list]:
-        """The tokens and, per row, None or (logprob, [(logprob, id), ...] top entries)."""
+        """The tokens and, per row, None or (logprob, [(logprob, id), ...] top entries,
+        [(logprob, id), ...] of the row's ``token_ids_logprob``)."""
         if self.event is not None:
             t = time.perf_counter()
             self.event.synchronize()
@@ -85,7 +92,13 @@ class InflightStep:
             if s.top_values is not None
             else [[] for _ in range(bs)]
         )
-        return s.tokens.tolist(), list(zip(s.logprobs.tolist(), tops, strict=True))
+        chosen = [[] for _ in range(bs)]
+        if s.token_ids_values is not None:
+            values = s.token_ids_values.tolist()
+            for row, req in enumerate(self.reqs):
+                ids = req.token_ids_logprob or ()
+                chosen[row] = list(zip(values[row][: len(ids)], ids, strict=True))
+        return s.tokens.tolist(), list(zip(s.logprobs.tolist(), tops, chosen, strict=True))
 
 
 Rows = Iterable[tuple[Req, int, object]]

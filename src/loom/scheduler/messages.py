@@ -29,6 +29,7 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    token_ids_logprob: tuple[int, ...] | None = None  # ids whose logprobs each position reports
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from loom.scheduler.request import Req
 def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context_len: int) -> bool:
     """Append ``token`` and decide whether it ends the request (``finished_reason``): its
     grammar rejects it or terminates, a stop token or EOS, ``max_new_tokens``, or the context.
-    ``logprob``: None, or (logprob, [(logprob, id), ...] top entries). False: the token was
+    ``logprob``: None, or (logprob, [(logprob, id), ...] top entries, [(logprob, id), ...] of
+    ``token_ids_logprob``). False: the token was
     dropped, as a request with ``max_new_tokens`` 0 ran only for its prompt's logprobs."""
     p = req.sampling_params
     if p.max_new_tokens == 0:
@@ -18,9 +19,11 @@ def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context
         return False
     req.output_ids.append(token)
     if logprob is not None and req.return_logprob:
-        lp, top = logprob
+        lp, top, chosen = logprob
         req.pending_logprobs.append((lp, token))
         req.pending_top_logprobs.append(top[: req.top_logprobs_num])
+        if req.token_ids_logprob:
+            req.pending_token_ids_logprobs.append(chosen)
     stop = token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
     if req.grammar is not None:
         if not req.grammar.accept_token(token):
@@ -56,6 +59,12 @@ def make_output(req: Req, tokens: list[int]) -> ReqOutput:
         if req.pending_input_top_logprobs is not None:
             extra["input_top_logprobs"] = req.pending_input_top_logprobs
             req.pending_input_top_logprobs = None
+        if req.token_ids_logprob:
+            extra["output_token_ids_logprobs"] = req.pending_token_ids_logprobs
+            req.pending_token_ids_logprobs = []
+        if req.pending_input_token_ids_logprobs is not None:
+            extra["input_token_ids_logprobs"] = req.pending_input_token_ids_logprobs
+            req.pending_input_token_ids_logprobs = None
     return ReqOutput(
         extra=extra,
         rid=req.rid,

@@ -426,7 +426,7 @@ class PrefillManager:
     def _input_logprobs(items, wants, logits, last_rows) -> None:
         """Logprobs of prompt tokens from this chunk's logits: the logits at position q give
         the logprob of token q + 1 (token 0 has none), and with ``top_logprobs_num`` the top
-        entries there."""
+        entries there (with ``token_ids_logprob``, those ids' entries)."""
         start_row = 0
         for it, w, last in zip(items, wants, last_rows, strict=True):
             rows_start = start_row
@@ -437,9 +437,11 @@ class PrefillManager:
             prompt = req.origin_input_ids
             s, e = it.prefix_len, it.prefix_len + it.extend_len
             acc, top_acc, k = req.input_logprob_acc, req.input_top_acc, req.top_logprobs_num
+            chosen, ids_acc = req.token_ids_logprob, req.input_token_ids_acc
             if s == 0 and req.logprob_start_len == 0:
                 acc.append((None, prompt[0]))
                 top_acc.append(None)
+                ids_acc.append(None)
             qs = [q for q in range(s, min(e, len(prompt) - 1)) if q + 1 >= req.logprob_start_len]
             if qs:
                 rows = torch.tensor([rows_start + q - s for q in qs], device=logits.device)
@@ -453,7 +455,14 @@ class PrefillManager:
                         list(zip(v, i, strict=True))
                         for v, i in zip(top_v.tolist(), top_i.tolist(), strict=True)
                     ]
+                if chosen:
+                    ids = torch.tensor(chosen, device=logits.device)
+                    ids_acc += [
+                        list(zip(v, chosen, strict=True)) for v in lsm.index_select(1, ids).tolist()
+                    ]
             if e >= len(prompt):
                 req.pending_input_logprobs, req.input_logprob_acc = acc, []
                 if k:
                     req.pending_input_top_logprobs, req.input_top_acc = top_acc, []
+                if chosen:
+                    req.pending_input_token_ids_logprobs, req.input_token_ids_acc = ids_acc, []

@@ -70,12 +70,17 @@ class Req:
         # with top_logprobs_num: each prompt token's top entries, row for row with the above
         self.pending_input_top_logprobs: list | None = None
         self.input_top_acc: list = []
+        # with token_ids_logprob: the logprobs of those ids at each position, likewise
+        self.token_ids_logprob: tuple[int, ...] | None = None
+        self.pending_token_ids_logprobs: list[list[tuple[float, int]]] = []
+        self.pending_input_token_ids_logprobs: list | None = None
+        self.input_token_ids_acc: list = []
 
     @classmethod
     def from_message(cls, m: GenerateRequest) -> Req:
         req = cls(m.rid, m.input_ids, m.sampling_params, m.priority, m.extra_key, m.lora_name)
         req.return_logprob, req.top_logprobs_num = m.return_logprob, m.top_logprobs_num
-        req.logprob_start_len = m.logprob_start_len
+        req.logprob_start_len, req.token_ids_logprob = m.logprob_start_len, m.token_ids_logprob
         return req
 
     @property

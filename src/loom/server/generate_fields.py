@@ -39,9 +39,8 @@ GENERATE_FIELDS: dict[str, tuple[str, str]] = {
     "logprob_start_len": (USED, "Prompt logprobs from this position (-1: none)."),
     "top_logprobs_num": (USED, "The top logprobs per token (0-20)."),
     "token_ids_logprob": (
-        REFUSED,
-        "the logprobs of chosen token ids are not returned (top_logprobs_num gives the "
-        "most likely ones)",
+        USED,
+        "Token ids whose logprobs every position reports (one list, or one per prompt).",
     ),
     "return_sampling_mask": (REFUSED, "sampling masks are not returned"),
     "sampling_logprobs_mode": (REFUSED, "sampling masks are not returned"),

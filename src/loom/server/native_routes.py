@@ -115,6 +115,7 @@ def router(ctx: ServerContext) -> APIRouter:
                 input_ids=ids[0] if one and ids else ids,
                 sampling_params=params_list[0] if one else params_list,
                 stream=True,
+                token_ids_logprob=body.get("token_ids_logprob"),
                 **{k: v[0] if one else v for k, v in per_item.items()},
                 return_text_in_logprobs=flags["return_text_in_logprobs"],
                 return_prompt_token_ids=flags["return_prompt_token_ids"],
@@ -125,12 +126,8 @@ def router(ctx: ServerContext) -> APIRouter:
         batch = isinstance(out, list)  # (n > 1 answers a list too)
         if not flags["stream"]:
             results = await collect(request, streams)
-            for r in results:  # whole-request logprob lists in meta_info, as SGLang returns
-                lps, tops = r.pop("logprobs"), r.pop("top")
-                if "output_token_logprobs" in r["meta_info"]:
-                    r["meta_info"]["output_token_logprobs"] = lps
-                if "output_top_logprobs" in r["meta_info"]:
-                    r["meta_info"]["output_top_logprobs"] = tops
+            for r in results:  # (meta_info holds the whole lists)
+                del r["logprobs"], r["top"]
             return results if batch else results[0]
 
         first, rest = await first_of(request, streams)

@@ -110,11 +110,18 @@ async def until_done(request: Request, task: asyncio.Task) -> Any:
     return task.result()
 
 
+# the per-output-token lists of a result's meta_info (each increment carries only its new ones)
+PER_TOKEN = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
 async def collect(request: Request, streams) -> list[dict[str, Any]]:
     """Gather whole results; abort everything if the client goes away first. A request
-    that failed after submission makes the response its error (4xx / 5xx)."""
+    that failed after submission makes the response its error (4xx / 5xx). Each result's
+    ``meta_info`` holds the whole output's logprob lists (``PER_TOKEN``), as SGLang returns
+    them; ``logprobs`` and ``top`` are the first two of them (empty where not asked for)."""
     results = [
-        {"text": "", "output_ids": [], "meta_info": {}, "logprobs": [], "top": []} for _ in streams
+        {"text": "", "output_ids": [], "meta_info": {}, "lists": {k: [] for k in PER_TOKEN}}
+        for _ in streams
     ]
 
     async def run():
@@ -125,13 +132,18 @@ async def collect(request: Request, streams) -> list[dict[str, Any]]:
             r = results[i]
             r["text"] += inc["text"]
             r["output_ids"] += inc["output_ids"]
-            r["meta_info"] = inc["meta_info"]
+            meta = r["meta_info"] = dict(inc["meta_info"])
             if "prompt_token_ids" in inc:  # (return_prompt_token_ids)
                 r["prompt_token_ids"] = inc["prompt_token_ids"]
-            r["logprobs"] += inc["meta_info"].get("output_token_logprobs", [])
-            r["top"] += inc["meta_info"].get("output_top_logprobs", [])
+            for key, acc in r["lists"].items():
+                if key in meta:
+                    acc += meta[key]
+                    meta[key] = acc
 
     await until_done(request, asyncio.create_task(run()))
+    for r in results:
+        lists = r.pop("lists")
+        r["logprobs"], r["top"] = lists["output_token_logprobs"], lists["output_top_logprobs"]
     return results
 
 
