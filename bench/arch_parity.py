@@ -12,6 +12,7 @@ architecture, one JSON line:
 
 - ``fp32_top1_vs_hf``: Loom fp32 (default backend) greedy tokens, HF fp32 teacher-forced on them;
 - ``bf16_top1_vs_hf``: the same in bf16 on both sides;
+- ``fp32_attention_backend`` / ``bf16_attention_backend``: what ``auto`` chose for each;
 - ``bf16_hf_top1_vs_fp32_greedy``: HF bf16 against the fp32 greedy path (HF's own noise floor);
 - ``hf_sdpa_vs_eager_max_abs``: HF fp32 last-position logits, sdpa against eager.
 """
@@ -87,7 +88,8 @@ def hf_model(cfg, dtype: torch.dtype, attn: str = "eager"):
     return model.eval()
 
 
-def loom_generate(path: str, hf, dtype: str, prompts) -> list[list[int]]:
+def loom_generate(path: str, hf, dtype: str, prompts) -> tuple[list[list[int]], str]:
+    """Loom's greedy tokens on HF's weights, and the attention backend(s) ``auto`` chose."""
     with loom.Engine(
         model=path,
         load_format="dummy",
@@ -108,7 +110,8 @@ def loom_generate(path: str, hf, dtype: str, prompts) -> list[list[int]]:
                 "ignore_eos": True,
             },
         )
-    return [o["output_ids"] for o in outs]
+        backend = e.get_server_info()["attention_backend"]
+    return [o["output_ids"] for o in outs], backend
 
 
 @torch.inference_mode()
@@ -153,14 +156,14 @@ def run(arch: str, tmp: str) -> dict:
     ]
     result = {"architecture": arch}
     hf = hf_model(cfg, torch.float32)
-    fp32 = loom_generate(path, hf, "float32", prompts)
+    fp32, result["fp32_attention_backend"] = loom_generate(path, hf, "float32", prompts)
     free()
     result["fp32_top1_vs_hf"] = top1(hf, prompts, fp32)
     del hf
     free()
     hf = hf_model(cfg, torch.bfloat16)
     result["bf16_hf_top1_vs_fp32_greedy"] = top1(hf, prompts, fp32)
-    bf16 = loom_generate(path, hf, "bfloat16", prompts)
+    bf16, result["bf16_attention_backend"] = loom_generate(path, hf, "bfloat16", prompts)
     free()
     result["bf16_top1_vs_hf"] = top1(hf, prompts, bf16)
     del hf
