@@ -3,7 +3,8 @@
 JSON schemas compile without free whitespace and in strict mode, as with ``xgrammar``: an object
 schema that does not say ``additionalProperties`` gets ``false`` (llguidance alone would allow
 any extra key, and a small model can wander into an endless key string). EBNF
-(GBNF syntax, ``root`` rule) is converted to Lark with llguidance's own converter;
+(GBNF syntax, ``root`` rule) is converted to Lark with llguidance's own converter. Keywords
+llguidance does not enforce are a 400 naming the keyword and its place (``schema_support.py``);
 ``structural_tag`` is not supported (use ``xgrammar``).
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from loom.constrained.base import GrammarBackend, GrammarError, GrammarMatcher
+from loom.constrained.schema_support import check_schema
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
@@ -86,8 +88,9 @@ class LLGuidanceBackend(GrammarBackend):
         ll = self._ll
         try:
             if kind == "json_schema":
+                schema = check_schema(text, "llguidance")[0]
                 grammar = ll.LLMatcher.grammar_from_json_schema(
-                    json.dumps(strict_schema(json.loads(text))),
+                    json.dumps(strict_schema(schema)),
                     defaults={"whitespace_flexible": False},
                 )
             elif kind == "regex":

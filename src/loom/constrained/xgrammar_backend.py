@@ -2,8 +2,11 @@
 
 JSON schemas compile without free whitespace (``any_whitespace=False``: compact JSON), which
 keeps small models from looping on blank lines, and in strict mode (no properties beyond the
-schema's unless it says ``additionalProperties``). EBNF is XGrammar's GBNF dialect with a
-``root`` rule.
+schema's unless it says ``additionalProperties``). A schema with keywords XGrammar would drop
+and llguidance enforces (a length beside a pattern, ``allOf``, ...; ``schema_support.py``) is
+compiled by llguidance instead: its matchers fill the same bitmask layout, so they share the
+batch's mask and XGrammar's kernel. Keywords neither enforces are a 400. EBNF is XGrammar's
+GBNF dialect with a ``root`` rule.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 from loom.constrained.base import GrammarBackend, GrammarError, GrammarMatcher
+from loom.constrained.schema_support import check_schema, check_tag_schemas
 
 _HALF_CPUS = max(1, (os.cpu_count() or 2) // 2)
 
@@ -49,9 +53,14 @@ class XGrammarBackend(GrammarBackend):
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=int(options.get("max_threads", 4)))
         self._batch: dict[int, Any] = {}  # thread count -> xgr.BatchGrammarMatcher
+        self._llguidance: GrammarBackend | None = None
 
     def compile(self, kind: str, text: str) -> Any:
         c = self.compiler
+        if kind == "json_schema" and check_schema(text, "xgrammar")[1]:
+            return _ByLLGuidance(self.llguidance().compile(kind, text))
+        if kind == "structural_tag":
+            check_tag_schemas(text)
         try:
             if kind == "json_schema":
                 return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
@@ -65,7 +74,19 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(f"{kind} is invalid: {e}") from e
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
+    def llguidance(self) -> GrammarBackend:
+        """The llguidance backend over the same tokenizer, for schemas XGrammar would weaken."""
+        if self._llguidance is None:
+            from loom.constrained.llguidance_backend import LLGuidanceBackend
+
+            self._llguidance = LLGuidanceBackend(
+                self.tokenizer, self.vocab_size, self.stop_token_ids
+            )
+        return self._llguidance
+
     def matcher(self, compiled: Any) -> GrammarMatcher:
+        if isinstance(compiled, _ByLLGuidance):
+            return self.llguidance().matcher(compiled.grammar)
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
     def fill_vocab_masks(self, matchers, mask, rows) -> None:
@@ -74,17 +95,26 @@ class XGrammarBackend(GrammarBackend):
         1.8 ms against 68 us single-threaded for ~16 rows mid-generation (2 threads on this
         2-core machine; docs/benchmarks.md), while a row's mask takes ~4 us. Larger batches
         get one thread per 32 rows, up to half the CPUs."""
-        if len(matchers) > 1 and all(isinstance(m, XGrammarMatcher) for m in matchers):
-            threads = 1 if len(matchers) < 64 else max(1, min(_HALF_CPUS, len(matchers) // 32))
+        mine = [(m.m, r) for m, r in zip(matchers, rows, strict=True) if type(m) is XGrammarMatcher]
+        if len(mine) > 1:
+            threads = 1 if len(mine) < 64 else max(1, min(_HALF_CPUS, len(mine) // 32))
             batch = self._batch.get(threads)
             if batch is None:
                 batch = self._batch[threads] = self._xgr.BatchGrammarMatcher(threads)
-            batch.batch_fill_next_token_bitmask([m.m for m in matchers], mask, rows)
-        else:
-            super().fill_vocab_masks(matchers, mask, rows)
+            batch.batch_fill_next_token_bitmask([m for m, _ in mine], mask, [r for _, r in mine])
+        for m, row in zip(matchers, rows, strict=True):
+            if len(mine) <= 1 or type(m) is not XGrammarMatcher:
+                m.fill_vocab_mask(mask, row)
 
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(batch_size, self.vocab_size)
 
     def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
+
+
+class _ByLLGuidance:
+    """A schema compiled by llguidance (see the module's docstring)."""
+
+    def __init__(self, grammar: Any) -> None:
+        self.grammar = grammar

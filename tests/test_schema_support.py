@@ -1,0 +1,251 @@
+"""Every JSON-schema bound enforced by both grammar backends, or refused by name (issue: structured
+output that always validates). The oracle is ``jsonschema``: for each keyword a schema where only
+that keyword rules out an instance; the instance ``jsonschema`` accepts must pass the backend's
+matcher token by token to the end, the one it rejects must be refused. Then sampled answers of
+the default model validate, and what a backend cannot enforce is a 400 naming the keyword and
+its JSON pointer."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+import loom
+from loom import plugins
+from loom.constrained.base import GrammarError
+from loom.constrained.schema_support import schema_gaps
+from tests.conftest import chat_ids
+
+BACKENDS = ["xgrammar", "llguidance"]
+
+# keyword: (schema, an instance it allows, one only that keyword rules out)
+BOUNDS = {
+    "maxLength beside pattern": (
+        {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
+        "abc",
+        "abcdefghij",
+    ),
+    "minLength beside pattern": (
+        {"type": "string", "pattern": "^[a-z]+$", "minLength": 5},
+        "abcdef",
+        "ab",
+    ),
+    "maxLength beside format": (
+        {"type": "string", "format": "email", "maxLength": 10},
+        "a@b.co",
+        "abcdefghij@example.com",
+    ),
+    "maxLength": ({"type": "string", "maxLength": 5}, "abc", "abcdefgh"),
+    "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
+    "maxItems": ({"type": "array", "items": {"type": "integer"}, "maxItems": 2}, [1], [1, 2, 3]),
+    "minimum": ({"type": "integer", "minimum": 3}, 5, 2),
+    "maximum": ({"type": "integer", "maximum": 10}, 5, 11),
+    "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 3}, 4, 3),
+    "exclusiveMaximum on a number": ({"type": "number", "exclusiveMaximum": 1.5}, 1.25, 1.5),
+    "minimum on a number": ({"type": "number", "minimum": 1.5}, 2.5, 1.25),
+    "enum": ({"enum": ["a", "b"]}, "a", "c"),
+    "const": ({"const": "a"}, "a", "b"),
+    "prefixItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+        [1, "a"],
+        ["a", 1],
+    ),
+    "additionalProperties schema": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+        },
+        {"a": 1, "b": "x"},
+        {"a": 1, "b": 2},
+    ),
+    "$ref recursion": (
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "v": {"type": "integer"},
+                        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+                    },
+                    "required": ["v", "next"],
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+        {"v": 1, "next": {"v": 2, "next": None}},
+        {"v": 1, "next": {"v": "x", "next": None}},
+    ),
+    "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, 4, 2),
+    "patternProperties": (
+        {
+            "type": "object",
+            "patternProperties": {"^x": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        {"x1": 1},
+        {"y": 1},
+    ),
+    "length bound inside anyOf": (
+        {"anyOf": [{"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, {"type": "integer"}]},
+        "ab",
+        "abcdef",
+    ),
+}
+
+# keyword: (schema, the backends that refuse it, the JSON pointer the error names)
+REFUSED = {
+    "uniqueItems": (
+        {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+        BACKENDS,
+        "#/properties/tags",
+    ),
+    "not": ({"not": {"type": "string"}}, BACKENDS, "the schema's root"),
+    "contains": ({"type": "array", "contains": {"const": 3}}, BACKENDS, "the schema's root"),
+    "if": (
+        {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        BACKENDS,
+        "the schema's root",
+    ),
+    "dependentRequired": (
+        {"type": "object", "dependentRequired": {"a": ["b"]}},
+        BACKENDS,
+        "the schema's root",
+    ),
+    "format 'iri'": (
+        {"type": "array", "items": {"type": "string", "format": "iri"}},
+        BACKENDS,
+        "#/items",
+    ),
+    "format 'json-pointer'": ({"type": "string", "format": "json-pointer"}, ["llguidance"], ""),
+    "propertyNames": (
+        {"type": "object", "propertyNames": {"maxLength": 3}},
+        ["llguidance"],
+        "the schema's root",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def backends(engine):
+    eos = sorted(engine.eos_token_ids)
+    return {
+        name: plugins.resolve("grammar_backend", name)(engine.tokenizer, engine.vocab_size, eos)
+        for name in BACKENDS
+    }
+
+
+def _accepts(backend, engine, schema, instance) -> bool:
+    """Whether the backend's matcher takes the instance's tokens and may end there (either of
+    the two compact JSON spellings the backends write)."""
+    for sep in ((",", ":"), (", ", ": ")):
+        ids = engine.tokenizer.encode(
+            json.dumps(instance, separators=sep), add_special_tokens=False
+        )
+        m = backend.matcher(backend.compile("json_schema", json.dumps(schema)))
+        if all(m.accept_token(t) for t in ids) and (
+            m.is_terminated() or m.accept_token(sorted(engine.eos_token_ids)[0])
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("keyword", list(BOUNDS))
+def test_each_bound_stops_what_only_it_forbids(engine, backends, name, keyword):
+    schema, good, bad = BOUNDS[keyword]
+    check = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    assert check.is_valid(good) and not check.is_valid(bad)  # (the oracle agrees)
+    backend = backends[name]
+    assert _accepts(backend, engine, schema, good)
+    assert not _accepts(backend, engine, schema, bad), f"{name} lets {bad!r} through"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("keyword", list(REFUSED))
+def test_what_a_backend_cannot_enforce_is_refused_by_name(backends, name, keyword):
+    schema, refusing, where = REFUSED[keyword]
+    text = json.dumps(schema)
+    if name not in refusing:
+        backends[name].compile("json_schema", text)  # enforced: compiles
+        return
+    with pytest.raises(GrammarError, match="is not enforced") as err:
+        backends[name].compile("json_schema", text)
+    assert keyword in str(err.value) and where in str(err.value)
+
+
+def test_gaps_name_pointers_and_what_llguidance_adds():
+    schema = {
+        "type": "object",
+        "properties": {
+            "a/b": {"type": "string", "format": "uri", "maxLength": 80},
+            "list": {"type": "array", "items": {"allOf": [{"type": "integer"}, {"minimum": 1}]}},
+        },
+    }
+    gaps = schema_gaps(schema, "xgrammar")
+    assert [(g.keyword, g.pointer, g.llguidance) for g in gaps] == [
+        ("maxLength beside format", "#/properties/a~1b", True),
+        ("allOf", "#/properties/list/items", True),
+    ]
+    assert schema_gaps(schema, "llguidance") == []
+    assert schema_gaps({"type": "array", "uniqueItems": False}, "xgrammar") == []
+
+
+def test_a_structural_tags_schemas_are_checked(backends):
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": "<f>",
+                "schema": {"type": "object", "properties": {"x": {"not": {"type": "null"}}}},
+                "end": "</f>",
+            }
+        ],
+        "triggers": ["<f>"],
+    }
+    with pytest.raises(GrammarError, match="structural_tag: not at #/structures/0/schema/prop"):
+        backends["xgrammar"].compile("structural_tag", json.dumps(tag))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def sengine(request):
+    with loom.Engine(grammar_backend=request.param, max_total_tokens=8192) as e:
+        yield e
+
+
+def test_sampled_answers_keep_a_length_beside_a_pattern(sengine):
+    """The default model, sampled: a container image field with a pattern and maxLength (the
+    bound XGrammar alone drops) and a bounded email; every answer validates, on both backends,
+    in one batch with an unconstrained request."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "image": {"type": "string", "pattern": "^[a-z0-9./:-]+$", "maxLength": 12},
+            "owner": {"type": "string", "format": "email", "maxLength": 16},
+        },
+        "required": ["image", "owner"],
+    }
+    ids = chat_ids(sengine, "Give a container image name and its owner's email as JSON.")
+    params = {"max_new_tokens": 64, "temperature": 1.0, "json_schema": json.dumps(schema)}
+    outs = sengine.generate(
+        input_ids=[ids] * 4,
+        sampling_params=[{**params, "sampling_seed": s} for s in range(3)]
+        + [{"max_new_tokens": 8}],
+    )
+    check = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    for o in outs[:3]:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o["text"]
+        assert check.is_valid(json.loads(o["text"])), o["text"]
+    # refused by name through the engine, which keeps serving
+    bad = {"type": "array", "uniqueItems": True}
+    with pytest.raises(ValueError, match="uniqueItems at the schema's root"):
+        sengine.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": 4, "json_schema": json.dumps(bad)}
+        )
+    assert sengine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})["output_ids"]
