@@ -88,6 +88,17 @@ BOUNDS = {
         {"x1": 1},
         {"y": 1},
     ),
+    "multipleOf": ({"type": "integer", "multipleOf": 5}, 10, 7),
+    "minProperties": (
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+        {"a": 1, "b": 2},
+        {"a": 1},
+    ),
+    "maxProperties": (
+        {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+        {"a": 1},
+        {"a": 1, "b": 2},
+    ),
     "length bound inside anyOf": (
         {"anyOf": [{"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, {"type": "integer"}]},
         "ab",
@@ -95,7 +106,8 @@ BOUNDS = {
     ),
 }
 
-# keyword: (schema, the backends that refuse it, the JSON pointer the error names)
+# keyword: (schema, the backends that refuse it, the JSON pointer the error names); where a
+# backend does not refuse it, it enforces it (ENFORCED_BY_ONE gives the instances)
 REFUSED = {
     "uniqueItems": (
         {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
@@ -121,10 +133,18 @@ REFUSED = {
     ),
     "format 'json-pointer'": ({"type": "string", "format": "json-pointer"}, ["llguidance"], ""),
     "propertyNames": (
-        {"type": "object", "propertyNames": {"maxLength": 3}},
+        {
+            "type": "object",
+            "additionalProperties": {"type": "integer"},
+            "propertyNames": {"maxLength": 3},
+        },
         ["llguidance"],
         "the schema's root",
     ),
+}
+ENFORCED_BY_ONE = {
+    "format 'json-pointer'": ("/a/b", "a b"),
+    "propertyNames": ({"ab": 1}, {"abcd": 1}),
 }
 
 
@@ -167,11 +187,13 @@ def test_each_bound_stops_what_only_it_forbids(engine, backends, name, keyword):
 
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("keyword", list(REFUSED))
-def test_what_a_backend_cannot_enforce_is_refused_by_name(backends, name, keyword):
+def test_what_a_backend_cannot_enforce_is_refused_by_name(engine, backends, name, keyword):
     schema, refusing, where = REFUSED[keyword]
     text = json.dumps(schema)
     if name not in refusing:
-        backends[name].compile("json_schema", text)  # enforced: compiles
+        good, bad = ENFORCED_BY_ONE[keyword]
+        assert _accepts(backends[name], engine, schema, good)
+        assert not _accepts(backends[name], engine, schema, bad)
         return
     with pytest.raises(GrammarError, match="is not enforced") as err:
         backends[name].compile("json_schema", text)
