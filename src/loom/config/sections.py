@@ -359,6 +359,16 @@ class GrammarArgs:
         default=60.0,
         metadata=_arg("Seconds a constraint may take to compile before its request fails."),
     )
+    structured_output_close_within_budget: str = field(
+        default="json_schema",
+        metadata=_arg(
+            "Which constrained answers are steered onto a short completion of their grammar "
+            "when the tokens left run out, so that they end valid (a request's "
+            "close_within_budget overrides it): JSON schemas (tool calls included), all "
+            "constraints, or none.",
+            choices=("json_schema", "all", "off"),
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 
 from loom.constrained.base import GrammarBackend
+from loom.constrained.closing import BudgetCloser
 from loom.constrained.manager import GrammarManager, build_grammar_backend
+from loom.constrained.reasoner import ReasonerBackend
 
 
 def grammar_backend_factory(
@@ -34,13 +36,34 @@ def grammar_backend_factory(
 
 class GrammarQueue:
     """``make_backend`` builds the grammar backend (on first use, on the manager's threads);
-    ``timeout``: seconds a compile may take before its request fails."""
+    ``timeout``: seconds a compile may take before its request fails; ``close_mode``: the
+    server's ``--structured-output-close-within-budget``."""
 
-    def __init__(self, make_backend: Callable[[], GrammarBackend], timeout: float) -> None:
+    def __init__(
+        self,
+        make_backend: Callable[[], GrammarBackend],
+        timeout: float,
+        close_mode: str = "json_schema",
+    ) -> None:
         self.make_backend = make_backend
         self.timeout = timeout
+        self.close_mode = close_mode
         self.reqs: list = []
         self._mgr: GrammarManager | None = None
+        self._closer: BudgetCloser | None = None
+
+    def close_within_budget(self, reqs, rows: list[int], mask, out_lens: list[int]) -> None:
+        """``BudgetCloser.close_rows`` for a step's filled mask rows (not under the reasoner,
+        whose thoughts end with a marker the character search does not write)."""
+        backend = self.backend
+        if isinstance(backend, ReasonerBackend) or (
+            self.close_mode == "off"
+            and all(reqs[i].sampling_params.close_within_budget is None for i in rows)
+        ):
+            return
+        if self._closer is None:
+            self._closer = BudgetCloser(backend)
+        self._closer.close_rows(reqs, rows, mask, out_lens, self.close_mode)
 
     def __bool__(self) -> bool:
         return bool(self.reqs)

@@ -77,12 +77,16 @@ class BatchSampler:
         grammar_backend: Callable[[], object],
         on_error: Callable[[object, BaseException], None],
         stats,
+        close_within_budget: Callable[..., None] | None = None,
     ) -> None:
         self.eos_token_ids = set(eos_token_ids)
         self.max_rows = max_rows
         self.grammar_backend = grammar_backend
         self.on_error = on_error
         self.stats = stats
+        # (reqs, rows, mask, out_lens): narrows the filled grammar rows of requests about to
+        # run out of tokens (``constrained/closing.py``)
+        self.close_within_budget = close_within_budget
         self.penalties: PenaltyState | None = None  # allocated with the first penalised row
         self._plan_cache: _Plan | None = None
         self._mask_bufs: list[torch.Tensor] | None = None  # pinned grammar bitmasks (CUDA)
@@ -117,12 +121,12 @@ class BatchSampler:
                 logits, info, reqs, lambda row, e: self.on_error(reqs[row], e)
             )
         if plan.masked_argmax:
-            tokens = masked_argmax(logits, self._grammar_masks(logits, reqs))
+            tokens = masked_argmax(logits, self._grammar_masks(logits, reqs, out_lens))
             return _finish(tokens, raw, reqs, want_lp)
         if plan.fused is not None:
             # Fused kernels: penalties, bias, the grammar's mask (its -inf entries stay -inf
             # under all of them), the draw, and the counts of the drawn tokens.
-            mask = self._grammar_masks(logits, reqs) if plan.has_grammar else None
+            mask = self._grammar_masks(logits, reqs, out_lens) if plan.has_grammar else None
             tokens = fused_sample(
                 logits,
                 info.params,
@@ -141,7 +145,7 @@ class BatchSampler:
             flat, v = plan.bias
             logits.view(-1).index_add_(0, flat, v)  # atomic adds: no sort, no sync
         if plan.has_grammar:
-            mask = self._grammar_masks(logits, reqs)
+            mask = self._grammar_masks(logits, reqs, out_lens)
             self.grammar_backend().apply_vocab_mask(logits, mask)
         tokens = sample(logits, info)
         if plan.penalties is not None:
@@ -266,7 +270,7 @@ class BatchSampler:
 
     # ---- grammar masks --------------------------------------------------------------------
 
-    def _grammar_masks(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+    def _grammar_masks(self, logits: torch.Tensor, reqs: list, out_lens: list[int]) -> torch.Tensor:
         """The step's grammar bitmask on ``logits``' device, filled on the host (on a GPU this
         overlaps the forward pass just launched) and copied without a sync."""
         t = time.perf_counter()
@@ -283,6 +287,9 @@ class BatchSampler:
                     reqs[i].grammar.fill_vocab_mask(mask, i)
                 except Exception as e:  # noqa: BLE001
                     self.on_error(reqs[i], e)
+        if self.close_within_budget is not None:
+            rows = [i for i in rows if not reqs[i].is_finished]
+            self.close_within_budget(reqs, rows, mask, out_lens)
         mask = mask.to(logits.device, non_blocking=True)
         self.stats.time_grammar_mask_s += time.perf_counter() - t
         return mask

@@ -54,6 +54,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # steer a constrained answer onto a short completion of its grammar when the tokens left
+    # run out (``constrained/closing.py``); None: the server's default
+    close_within_budget: bool | None = None
 
     @classmethod
     def from_dict(
@@ -151,6 +154,8 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if self.close_within_budget is not None and not isinstance(self.close_within_budget, bool):
+            raise bad("close_within_budget", "must be a boolean or null")
         if self.custom_params is not None and not isinstance(self.custom_params, dict):
             raise bad("custom_params", "must be a JSON object")
         if self.custom_logit_processor is not None and not isinstance(

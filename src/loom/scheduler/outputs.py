@@ -40,6 +40,8 @@ def append_token(req: Req, token: int, logprob, eos_token_ids: set[int], context
         req.finished_reason = {"type": "length", "length": p.max_new_tokens}
     elif req.seq_len >= context_len:
         req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+    if req.finished_reason is not None and req.closed_at is not None:
+        req.finished_reason["closed_within_budget_at"] = req.closed_at
     return True
 
 

@@ -55,6 +55,7 @@ class Scheduler:
                 grammar, server_args.tokenizer_path, runner, self.eos_token_ids
             ),
             grammar.grammar_compile_timeout,
+            grammar.structured_output_close_within_budget,
         )
         self.lora = LoRASlots(runner.lora_manager)
         self.sampler = BatchSampler(
@@ -63,6 +64,7 @@ class Scheduler:
             lambda: self.grammar_queue.backend,
             on_error=self._fail_in_step,
             stats=self.stats,
+            close_within_budget=self.grammar_queue.close_within_budget,
         )
         parts = (self.cache, self.sampler, self.stats, self._append_all)
         self.decode = DecodeManager(runner, *parts, server_args.schedule_conservativeness)
