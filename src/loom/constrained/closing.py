@@ -161,15 +161,16 @@ class BudgetCloser:
             i += k
         return out
 
-    def restrict(self, matcher, mask: torch.Tensor, row: int, remaining: int) -> bool:
+    def restrict(self, matcher, mask: torch.Tensor, row: int, remaining: int) -> int | None:
         """Narrow ``mask[row]`` (already the grammar's) to the completion's next token when it
-        must start now; True when it did."""
+        must start now. Returns the slack: the tokens to spare beyond the completion, the stop
+        token and one more (0: steered now; None: no completion found)."""
         steps = self.completion(matcher)
         if steps is None:
-            return False
+            return None
         pieces = self.pieces("".join(t for t, _ in steps))
         if len(pieces) + 2 < remaining:
-            return False
+            return remaining - len(pieces) - 2
         words = mask[row]
 
         def allowed(i: int) -> bool:
@@ -180,24 +181,28 @@ class BudgetCloser:
         else:
             ids = [i for i in self.by_text.get(pieces[0], []) if allowed(i)][:1] or [steps[0][1]]
         if not ids:
-            return False
+            return None
         words.zero_()
         for i in ids:
             bit = 1 << (i & 31)
             words[i >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
-        return True
+        return 0
 
     def close_rows(self, reqs, rows: list[int], mask: torch.Tensor, out_lens, mode: str) -> None:
         """Steer the rows ``rows`` of ``reqs`` that want it (``wants_closing``) and have at most
         ``WINDOW`` tokens left; a request steered for the first time records its output length
-        in ``closed_at``."""
+        in ``closed_at``. A walk that left a slack of s tokens is repeated s // 4 steps later
+        (assuming a completion grows by less than four tokens a step), so a request far from its
+        budget is walked rarely and one being steered every step."""
         for i in rows:
             req = reqs[i]
             p = req.sampling_params
             remaining = p.max_new_tokens - out_lens[i]
-            if remaining > WINDOW or not wants_closing(p, mode):
+            if remaining > WINDOW or out_lens[i] < req.close_next or not wants_closing(p, mode):
                 continue
-            if self.restrict(req.grammar, mask, i, remaining) and req.closed_at is None:
+            slack = self.restrict(req.grammar, mask, i, remaining)
+            req.close_next = out_lens[i] + max(1, (slack or 0) // 4)
+            if slack == 0 and req.closed_at is None:
                 req.closed_at = out_lens[i]
 
 

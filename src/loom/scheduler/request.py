@@ -55,6 +55,7 @@ class Req:
         self.grammar_deadline = 0.0
         self.grammar = None
         self.closed_at: int | None = None  # output length when closing within budget began
+        self.close_next = 0  # output length at which closing walks the grammar again
         # Penalties: this request's row of the scheduler's PenaltyState (counts on the device).
         self.penalty_row: int | None = None
         # An SGLang processor's custom_params with "__req__", kept for the request's life as
