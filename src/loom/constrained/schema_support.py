@@ -22,74 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 # formats each backend turns into a grammar (others it ignores or refuses)
+_FORMATS = {"email", "uri", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6"}
+_FORMATS.add("hostname")
 FORMATS = {
-    "xgrammar": frozenset(
-        {
-            "email",
-            "uri",
-            "uri-reference",
-            "date",
-            "time",
-            "date-time",
-            "duration",
-            "uuid",
-            "ipv4",
-            "ipv6",
-            "hostname",
-            "json-pointer",
-        }
-    ),
-    "llguidance": frozenset(
-        {
-            "email",
-            "uri",
-            "date",
-            "time",
-            "date-time",
-            "duration",
-            "uuid",
-            "ipv4",
-            "ipv6",
-            "hostname",
-        }
-    ),
+    "xgrammar": frozenset(_FORMATS | {"uri-reference", "json-pointer"}),
+    "llguidance": frozenset(_FORMATS),
 }
 # keywords that constrain the answer and that a backend cannot enforce (in any form)
+_NEITHER = {"uniqueItems", "not", "contains", "minContains", "maxContains", "dependentRequired"}
+_NEITHER |= {"dependentSchemas", "if", "then", "else", "unevaluatedProperties", "unevaluatedItems"}
 UNSUPPORTED = {
-    "xgrammar": frozenset(
-        {
-            "uniqueItems",
-            "not",
-            "contains",
-            "minContains",
-            "maxContains",
-            "dependentRequired",
-            "dependentSchemas",
-            "if",
-            "then",
-            "else",
-            "unevaluatedProperties",
-            "unevaluatedItems",
-        }
-    ),
-    "llguidance": frozenset(
-        {
-            "uniqueItems",
-            "not",
-            "contains",
-            "minContains",
-            "maxContains",
-            "dependentRequired",
-            "dependentSchemas",
-            "propertyNames",
-            "if",
-            "then",
-            "else",
-            "unevaluatedProperties",
-            "unevaluatedItems",
-        }
-    ),
+    "xgrammar": frozenset(_NEITHER),
+    "llguidance": frozenset(_NEITHER | {"propertyNames"}),
 }
+
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else")

@@ -20,7 +20,7 @@ from typing import Any
 
 from loom import plugins
 from loom.config import ServerArgs
-from loom.engine.fan_out import LOGPROB_OPTIONS, fan_out
+from loom.engine.fan_out import fan_out_call
 from loom.engine.outputs import OutputConsumer, ReqState, final_result, wait_all
 from loom.engine.profile import FrontendProfile
 from loom.engine.router import OutputRouter
@@ -388,19 +388,7 @@ class Engine:
     # ---- LoRA adapters while serving ------------------------------------------------------
 
     def _fan_out(self, args: dict[str, Any]) -> tuple[list[tuple], bool]:
-        """``generate``'s (or ``async_generate``'s) arguments as validated request rows."""
-        lp = tuple(args[k] for k in LOGPROB_OPTIONS)
-        keys = ("sampling_params", "rid", "priority", "extra_key", "lora_path")
-        return fan_out(
-            self._prepare,
-            self._check_lora,
-            args["prompt"],
-            args["input_ids"],
-            *(args[k] for k in keys),
-            args["custom_logit_processor"],
-            lp,
-            vocab_size=self.vocab_size,
-        )
+        return fan_out_call(self._prepare, self._check_lora, args, self.vocab_size)
 
     def _check_lora(self, name: Any) -> None:
         check_lora(name, self.lora_names)

@@ -85,6 +85,19 @@ def fan_out(
     return out, batch is not None or len(out) > 1
 
 
+def fan_out_call(prepare, check_lora, args: dict[str, Any], vocab_size: int | None):
+    """``fan_out`` over ``Engine.generate``'s (or ``async_generate``'s) arguments by name."""
+    keys = ("prompt", "input_ids", "sampling_params", "rid", "priority", "extra_key", "lora_path")
+    return fan_out(
+        prepare,
+        check_lora,
+        *(args[k] for k in keys),
+        args["custom_logit_processor"],
+        tuple(args[k] for k in LOGPROB_OPTIONS),
+        vocab_size=vocab_size,
+    )
+
+
 def with_processor(sampling_params: Any, processor: Any) -> Any:
     """``sampling_params`` with ``custom_logit_processor`` set (SGLang takes it beside the
     sampling parameters; Loom also takes it among them, and refuses two different ones)."""
