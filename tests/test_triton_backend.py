@@ -543,3 +543,64 @@ def test_model_kit_with_windows_and_caps(backend, architecture):
         device=device,
         attention_backend=backend,
     )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [(0, 9), (5, 7), (12, 1), (30, 1), (3, 1)],  # prompts, then decoding rows
+        [(17, 1), (0, 1), (40, 1)],  # decoding rows only
+        # more decoding rows than the decode kernel splits KV for, padded to the bucket of 48
+        [(0, 4)] + [(3 + 2 * i, 1) for i in range(34)],
+    ],
+)
+@pytest.mark.parametrize("all_tokens", [True, False])
+def test_mixed_graph_layout_equals_torch_native(tiny_dir, layout, all_tokens):
+    """A mixed step laid out as a mixed CUDA graph's (prompt tokens padded to their bucket,
+    decoding rows after them padded to theirs, empty prefill request slots), run eagerly here,
+    gives torch_native's logits: for every token (prompt logprobs) or each request's last."""
+    from loom.config import ServerArgs
+    from tests.test_llama_parity import bound_runner, extend_all_logits
+
+    seqs = [
+        torch.randint(0, 256, (p + e,), generator=torch.Generator().manual_seed(i)).tolist()
+        for i, (p, e) in enumerate(layout)
+    ]
+    calls = []
+
+    def logits(backend: str) -> torch.Tensor:
+        runner, cache = bound_runner(
+            ServerArgs(
+                model=tiny_dir, max_total_tokens=4096, dtype="float32", attention_backend=backend
+            )
+        )
+        if backend == "triton":
+            runner.capture_mixed_graphs(64, capture=False)
+            run = runner.mixed_graph_runner.run
+            runner.mixed_graph_runner.run = lambda *a, **k: calls.append(1) or run(*a, **k)
+        if not all_tokens:  # the last token's logits only: drop the indices the helper asks
+            fwd = runner.forward_extend
+            runner.forward_extend = lambda *a: fwd(*a[:5]) if len(a) > 6 else fwd(*a)
+        return extend_all_logits(runner, cache, layout, seqs)
+
+    out = {b: logits(b) for b in ("triton", "torch_native")}
+    assert calls, "the mixed step did not take the graph layout"
+    assert out["triton"].shape == out["torch_native"].shape
+    assert (out["triton"] - out["torch_native"]).abs().max().item() < 1e-4
+
+
+def test_mixed_graph_runner_declines_steps_outside_its_buckets():
+    from loom.model_executor.mixed_graph_runner import MAX_PREFILL_REQS, MixedGraphRunner
+
+    r = MixedGraphRunner.__new__(MixedGraphRunner)
+    r.prefill_buckets, r.decode_buckets = [32, 64], [1, 2, 4]
+    from loom.model_executor.mixed_graph_runner import MixedLayout
+
+    r.layout = MixedLayout(4)
+    assert r.fits([9, 7, 1, 1]) == (2, 16)
+    assert r.fits([1, 1]) == (0, 0)
+    assert r.fits([9, 7]) is None  # no decoding row: a prefill step
+    assert r.fits([60, 5, 1]) is None  # 65 prompt tokens
+    assert r.fits([9] + [1] * 5) is None  # 5 decoding rows
+    assert r.fits([2] * (MAX_PREFILL_REQS + 1) + [1]) is None
+    assert r.fits([2] * MAX_PREFILL_REQS + [1]) == (MAX_PREFILL_REQS, 2 * MAX_PREFILL_REQS)

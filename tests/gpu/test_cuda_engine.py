@@ -643,3 +643,54 @@ def test_mixed_steps_chained_under_overlap_match_unoverlapped(tiny_dir):
         assert st.num_chained_mixed_batches > 0 and st.num_overlapped_batches > 0
         e.scheduler.check_kv_balance()
     _assert_greedy_equal_up_to_near_ties(got, want, tol=1e-3)
+
+
+def test_mixed_step_graphs_match_piecewise_extend(tiny_dir):
+    """Mixed steps replayed as whole graphs (prompt tokens and decoding rows padded to their
+    buckets, attention captured) give the piecewise path's logits for every token and for each
+    request's last; steps outside the buckets still run piecewise."""
+    args = ServerArgs(
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        max_total_tokens=8192,
+        attention_backend="triton",
+        enable_mixed_chunk=True,
+        chunked_prefill_size=128,
+    )
+    runner, cache = bound_runner(args)
+    mixed = runner.mixed_graph_runner
+    assert mixed is not None and mixed.prefill_buckets[-1] == 128
+    layouts = [  # (prefix, extend) per request
+        [(0, 100), (30, 1), (64, 1)],
+        [(12, 40), (0, 60), (7, 1), (9, 1), (5, 1)],
+        [(17, 1), (0, 1)],
+        [(0, 20)] + [(3 + i, 1) for i in range(70)],  # decoding rows padded to 96
+        [(0, 200), (4, 1)],  # past the largest prompt bucket: piecewise
+    ]
+    for layout in layouts:
+        seqs = [torch.randint(0, TINY["vocab_size"], (p + e,)).tolist() for p, e in layout]
+        got = extend_all_logits(runner, cache, layout, seqs)
+        runner.mixed_graph_runner = None
+        want = extend_all_logits(runner, cache, layout, seqs)
+        runner.mixed_graph_runner = mixed
+        assert (got - want).abs().max().item() < 1e-4, layout
+
+
+def test_engine_with_mixed_step_graphs_matches_piecewise(tiny_dir):
+    """--enable-mixed-chunk serving with the mixed-step graphs (the default) gives the greedy
+    tokens of the same engine with --disable-mixed-cuda-graph, and the pool balances."""
+    gen = torch.Generator().manual_seed(1)
+    lens = (5, 33, 80, 120, 7, 60, 3, 90)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in lens]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    logprobs = {"return_logprob": True, "top_logprobs_num": 2}
+    kw = _cuda_kw(tiny_dir, "float32", enable_mixed_chunk=True, chunked_prefill_size=32)
+    with loom.Engine(disable_mixed_cuda_graph=True, **kw) as e:
+        want = e.generate(input_ids=prompts, sampling_params=params, **logprobs)
+    with loom.Engine(**kw) as e:
+        assert e.runner.mixed_graph_runner is not None
+        got = e.generate(input_ids=prompts, sampling_params=params, **logprobs)
+        assert e.scheduler.stats.num_chained_mixed_batches > 0
+        e.scheduler.check_kv_balance()
+    _assert_greedy_equal_up_to_near_ties(got, want, tol=1e-3)

@@ -435,6 +435,15 @@ class KernelArgs:
             "bucket, attention run eagerly in between)."
         ),
     )
+    disable_mixed_cuda_graph: bool = field(
+        default=False,
+        metadata=_arg(
+            "With --enable-mixed-chunk, run mixed steps (a prefill chunk beside the decoding "
+            "requests) as piecewise CUDA graphs instead of whole ones: by default each pair of "
+            "a prompt-token bucket (up to the chunk size, at most 512) and a decode-row bucket "
+            "is captured with its attention."
+        ),
+    )
     piecewise_cuda_graph_max_tokens: int = field(
         default=1024,
         metadata=_arg(

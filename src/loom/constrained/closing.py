@@ -188,22 +188,35 @@ class BudgetCloser:
             words[i >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
         return 0
 
-    def close_rows(self, reqs, rows: list[int], mask: torch.Tensor, out_lens, mode: str) -> None:
-        """Steer the rows ``rows`` of ``reqs`` that want it (``wants_closing``) and have at most
-        ``WINDOW`` tokens left; a request steered for the first time records its output length
-        in ``closed_at``. A walk that left a slack of s tokens is repeated s // 4 steps later
-        (assuming a completion grows by less than four tokens a step), so a request far from its
-        budget is walked rarely and one being steered every step."""
+    def close_rows(self, reqs, rows: list[int], mask: torch.Tensor, out_lens) -> None:
+        """Steer the rows ``rows`` of ``reqs`` (those ``due_rows`` chose); a request steered
+        for the first time records its output length in ``closed_at``. A walk that left a
+        slack of s tokens is repeated s // 4 steps later (assuming a completion grows by less
+        than four tokens a step), so a request far from its budget is walked rarely and one
+        being steered every step."""
         for i in rows:
             req = reqs[i]
-            p = req.sampling_params
-            remaining = p.max_new_tokens - out_lens[i]
-            if remaining > WINDOW or out_lens[i] < req.close_next or not wants_closing(p, mode):
-                continue
+            remaining = req.sampling_params.max_new_tokens - out_lens[i]
             slack = self.restrict(req.grammar, mask, i, remaining)
             req.close_next = out_lens[i] + max(1, (slack or 0) // 4)
             if slack == 0 and req.closed_at is None:
                 req.closed_at = out_lens[i]
+
+
+def due_rows(reqs, rows: list[int], out_lens, mode: str) -> list[int]:
+    """The rows of ``reqs`` among ``rows`` that want closing (``wants_closing`` under the
+    server's ``mode``), have at most ``WINDOW`` tokens left and whose next walk is due."""
+    due = []
+    for i in rows:
+        req = reqs[i]
+        p = req.sampling_params
+        if (
+            p.max_new_tokens - out_lens[i] <= WINDOW
+            and out_lens[i] >= req.close_next
+            and wants_closing(p, mode)
+        ):
+            due.append(i)
+    return due
 
 
 def wants_closing(params, mode: str) -> bool:

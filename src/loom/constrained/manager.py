@@ -65,6 +65,11 @@ class GrammarManager:
                 self._cache.popitem(last=False)
         return fut
 
+    def run(self, fn: Callable[[], Any]) -> Future:
+        """``fn`` on the manager's threads (work that needs the backend and must not run on
+        the scheduler loop)."""
+        return self._pool.submit(fn)
+
     def _compile(self, kind: str, text: str) -> Any:
         return self.backend.compile(kind, text)
 

@@ -7,14 +7,17 @@ set here, ``grammar_future``, ``grammar_deadline`` and ``grammar``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from loom.constrained.base import GrammarBackend
-from loom.constrained.closing import BudgetCloser
+from loom.constrained.closing import BudgetCloser, due_rows
 from loom.constrained.manager import GrammarManager, build_grammar_backend
 from loom.constrained.reasoner import ReasonerBackend
+
+logger = logging.getLogger(__name__)
 
 
 def grammar_backend_factory(
@@ -50,20 +53,29 @@ class GrammarQueue:
         self.close_mode = close_mode
         self.reqs: list = []
         self._mgr: GrammarManager | None = None
-        self._closer: BudgetCloser | None = None
+        self._closer: Future | None = None
 
     def close_within_budget(self, reqs, rows: list[int], mask, out_lens: list[int]) -> None:
-        """``BudgetCloser.close_rows`` for a step's filled mask rows (not under the reasoner,
-        whose thoughts end with a marker the character search does not write)."""
-        backend = self.backend
-        if isinstance(backend, ReasonerBackend) or (
-            self.close_mode == "off"
-            and all(reqs[i].sampling_params.close_within_budget is None for i in rows)
-        ):
+        """``BudgetCloser.close_rows`` for the rows of a step's filled mask that are due
+        (``due_rows``; never under the reasoner, whose thoughts end with a marker the character
+        search does not write). The closer is built on the manager's threads beside the first
+        compile; a step waits for it only when a row is due before it is ready."""
+        due = due_rows(reqs, rows, out_lens, self.close_mode)
+        if not due or self._closer is None:
             return
-        if self._closer is None:
-            self._closer = BudgetCloser(backend)
-        self._closer.close_rows(reqs, rows, mask, out_lens, self.close_mode)
+        closer = self._closer.result()
+        if closer is not None:
+            closer.close_rows(reqs, due, mask, out_lens)
+
+    def _build_closer(self) -> BudgetCloser | None:
+        backend = self.manager.backend
+        if isinstance(backend, ReasonerBackend):
+            return None
+        try:
+            return BudgetCloser(backend)
+        except Exception:  # closing is then off; constrained answers are still the grammar's
+            logger.exception("closing within the budget is off: its vocabulary index failed")
+            return None
 
     def __bool__(self) -> bool:
         return bool(self.reqs)
@@ -88,6 +100,10 @@ class GrammarQueue:
         """Start compiling the request's constraint and park it (raises if the backend cannot
         be built or refuses the submission)."""
         req.grammar_future = self.manager.submit(*req.sampling_params.constraint)
+        if self._closer is None and (
+            self.close_mode != "off" or req.sampling_params.close_within_budget
+        ):
+            self._closer = self.manager.run(self._build_closer)
         req.grammar_deadline = time.monotonic() + self.timeout
         self.reqs.append(req)
 

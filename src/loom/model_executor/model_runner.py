@@ -110,6 +110,7 @@ class ModelRunner:
         self.attn_backend = None
         self.cuda_graph_runner = None
         self.piecewise_graph_runner = None
+        self.mixed_graph_runner = None
 
     def bind(self, req_to_token_pool: ReqToTokenPool) -> None:
         """Take the request-to-token table (the cache manager's; the attention kernels read
@@ -129,6 +130,31 @@ class ModelRunner:
             self.capture_cuda_graphs(min(max_bs, self.max_running_requests))
             if not args.disable_piecewise_cuda_graph and type(self.model).splits_forward():
                 self.capture_piecewise_graphs(args.piecewise_cuda_graph_max_tokens)
+                if (
+                    args.enable_mixed_chunk
+                    and not args.disable_mixed_cuda_graph
+                    and self.attn_backend.supports_mixed_graph
+                ):
+                    self.capture_mixed_graphs(min(max_bs, self.max_running_requests))
+
+    def capture_mixed_graphs(self, max_rows: int, capture: bool = True) -> None:
+        """Capture the mixed-step graphs: prompt tokens up to the prefill chunk (at most 512)
+        beside up to ``max_rows`` decoding rows (``capture`` False: the same layout run
+        eagerly, for tests without CUDA)."""
+        from loom.model_executor.mixed_graph_runner import MixedGraphRunner
+
+        chunk = self.args.chunked_prefill_size or self.defaults.chunked_prefill_size
+        if chunk < 0:
+            chunk = 512
+        self.mixed_graph_runner = MixedGraphRunner(
+            self.model.forward_hidden,
+            self._attach,
+            self.attn_backend,
+            self.device,
+            min(chunk, 512),
+            max_rows,
+            capture=capture,
+        )
 
     def capture_piecewise_graphs(self, max_tokens: int) -> None:
         """Capture the extend graphs of every token-count bucket up to ``max_tokens``."""
@@ -338,9 +364,21 @@ class ModelRunner:
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=list(extend_lens),
         )
+        with_lora = self.lora_manager is not None and max(lora_slots or [-1]) >= 0
+        mixed = self.mixed_graph_runner
+        fit = mixed.fits(extend_lens) if mixed is not None and not with_lora else None
+        if fit is not None:
+            hidden, batch.logit_indices = mixed.run(
+                torch.stack([ids, pos, batch.out_cache_loc]),
+                pool_idx,
+                prefix_lens,
+                extend_lens,
+                fit,
+                logit_indices,
+            )
+            return self.model.compute_logits(hidden, batch)
         if logit_indices is not None:
             batch.logit_indices = self._tensor(logit_indices)
-        with_lora = self.lora_manager is not None and max(lora_slots or [-1]) >= 0
         graphs = self.piecewise_graph_runner
         if graphs is not None and graphs.can_run(n) and not with_lora:
             # (the graphs hold the base model only: batches with an adapter run eagerly)

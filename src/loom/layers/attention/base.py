@@ -74,6 +74,8 @@ class AttentionBackend(ABC):
     # graph runner then calls ``init_forward_metadata`` outside the graph, before capture and
     # before each replay (with ``batch.graph_bs`` set), and captures only the layers' kernels.
     plans_on_host: bool = False
+    # True when ``mixed_graph_metadata`` serves mixed steps captured whole (mixed_graph_runner)
+    supports_mixed_graph: bool = False
 
     def __init__(self, ctx: AttentionContext) -> None:
         lacking = sorted(ctx.features - self.features)
@@ -108,6 +110,22 @@ class AttentionBackend(ABC):
 
     def graph_wrapper(self, bs: int, max_kv_tokens: int) -> Any:  # noqa: B027
         """``plans_on_host`` backends: set up the fixed buffers of the graph for ``bs``."""
+
+    def mixed_graph_metadata(
+        self,
+        batch: ForwardBatch,
+        num_prefill_reqs: int,
+        num_prefill_tokens: int,
+        q_start: torch.Tensor,
+        extend_lens: torch.Tensor,
+        prefix_lens: torch.Tensor,
+    ) -> Any:
+        """``supports_mixed_graph`` backends: the metadata of a mixed step laid out as a mixed
+        graph's (``batch``'s first ``num_prefill_reqs`` requests prefill the first
+        ``num_prefill_tokens`` tokens, as ``q_start`` / ``extend_lens`` / ``prefix_lens`` say,
+        some of them empty; each later request decodes one token), from device tensors alone:
+        it is recorded in the graph."""
+        raise NotImplementedError(f"{type(self).__name__} has no mixed-step graphs")
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         metadata = self.prepare_host(batch)

@@ -24,6 +24,8 @@ class HybridAttnBackend(AttentionBackend):
         # graphs replay decode only
         self.supports_cuda_graph = decode.supports_cuda_graph
         self.plans_on_host = decode.plans_on_host
+        # a mixed step is an extend batch: the prefill backend runs it whole
+        self.supports_mixed_graph = prefill.supports_mixed_graph
 
     def _pick(self, batch) -> AttentionBackend:
         return self.decode_backend if batch.is_decode else self.prefill_backend
@@ -33,6 +35,9 @@ class HybridAttnBackend(AttentionBackend):
 
     def graph_wrapper(self, bs: int, max_kv_tokens: int) -> Any:
         return self.decode_backend.graph_wrapper(bs, max_kv_tokens)
+
+    def mixed_graph_metadata(self, batch, *args, **kw) -> Any:
+        return self.prefill_backend.mixed_graph_metadata(batch, *args, **kw)
 
     def init_forward_metadata(self, batch) -> None:
         self._pick(batch).init_forward_metadata(batch)

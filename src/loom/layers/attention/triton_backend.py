@@ -70,10 +70,14 @@ class _Metadata:
     decode_rows: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     decode_order: torch.Tensor | None = None
+    # a mixed graph's layout: the extend kernel leaves padding tokens' rows unwritten, so the
+    # output starts zeroed (stale values could be NaN and reach an MoE router)
+    zero_out: bool = False
 
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_mixed_graph = True
     features = frozenset(ATTENTION_FEATURES)
 
     @classmethod
@@ -119,6 +123,25 @@ class TritonAttnBackend(AttentionBackend):
         md.max_extend_len = max(ext[:k], default=0)
         return md
 
+    def mixed_graph_metadata(
+        self, batch, num_prefill_reqs, num_prefill_tokens, q_start, extend_lens, prefix_lens
+    ):
+        k = num_prefill_reqs
+        md = _Metadata(
+            q_start=q_start,
+            extend_lens=extend_lens,
+            prefix_lens=prefix_lens,
+            max_extend_len=num_prefill_tokens,
+            num_extend_reqs=k,
+            num_extend_tokens=num_prefill_tokens,
+            decode_rows=batch.req_pool_indices[k:],
+            decode_seq_lens=batch.seq_lens[k:],
+            zero_out=True,
+        )
+        if num_kv_splits(batch.batch_size - k) == 1:
+            md.decode_order = torch.argsort(md.decode_seq_lens, descending=True)
+        return md
+
     def forward_extend(self, q, layer, batch):
         """The extend kernel over the requests with several new tokens; one-token rows at the
         end of the batch (a mixed step's decoding requests, each a query over its whole
@@ -149,7 +172,7 @@ class TritonAttnBackend(AttentionBackend):
                 logit_cap=layer.logit_cap,
             )
             return out.view(-1, layer.num_heads * layer.head_dim)
-        out = torch.empty_like(q3)
+        out = torch.zeros_like(q3) if md.zero_out else torch.empty_like(q3)
         if k:
             out[:t] = extend_attention(
                 q3[:t],
