@@ -4,7 +4,7 @@ removed; bounds beside a pattern or a format kept), each answered greedily and s
 (temperature 1, seeds 0 and 1) by the default model, at each ``--max-new-tokens``.
 
     python bench/structured_validity.py [--grammar-backend xgrammar] [--max-new-tokens 768 128]
-        [--close on off] [--json OUT.jsonl]
+        [--close on off] [--json OUT.jsonl] [--model GGUF_OR_DIR] [--dtype DTYPE]
 
 An answer is valid when the grammar ended it (finish reason ``stop``) and ``jsonschema`` accepts
 it (formats checked). Also reported: how many answers were steered to close within the budget,
@@ -51,9 +51,14 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, nargs="+", default=[768, 128])
     p.add_argument("--close", nargs="+", default=["on", "off"], choices=("on", "off"))
     p.add_argument("--json", default=None)
+    p.add_argument("--model", default=None, help="default: the default model")
+    p.add_argument("--dtype", default="auto")
     ns = p.parse_args()
     schemas = [(task, as_written(s)) for task, s in SCHEMAS]
-    with loom.Engine(grammar_backend=ns.grammar_backend, max_total_tokens=65536) as e:
+    kw = {"model": ns.model} if ns.model else {}
+    with loom.Engine(
+        grammar_backend=ns.grammar_backend, max_total_tokens=65536, dtype=ns.dtype, **kw
+    ) as e:
         prompts, checks, texts = [], [], []
         for task, schema in schemas:
             msg = [{"role": "user", "content": f"{task} Answer with a JSON object only."}]
@@ -99,6 +104,7 @@ def main() -> int:
                         pass
                 tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
                 row = {
+                    "device": e.get_server_info().get("device"),
                     "grammar_backend": ns.grammar_backend,
                     "max_new_tokens": budget,
                     "close_within_budget": close,
