@@ -2,10 +2,11 @@
 new request arrives every EVERY steps, the scheduler stepped on this thread under cProfile.
 
 python bench/mixed_step_profile.py CONFIG.json [--steps N] [--running R] [--every K]
-    [-- extra engine flags as key=value, e.g. enable_mixed_chunk=1 chunked_prefill_size=256]
+    [--kernels] [-- extra engine flags as key=value, e.g. enable_mixed_chunk=1 chunked_prefill_size=256]
 
 Prints each kind of step's p50 / p99 host time (the scheduler's histograms) and the functions
-with the most cumulative time.
+with the most cumulative time; with ``--kernels`` (CUDA), instead of cProfile the torch profiler
+records the steps' kernels, printed by total device time per step beside the wall time.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import argparse
 import cProfile
 import pstats
 import random
+import time
 
-from gpu_kernel_profile import _value  # (run as a script: this folder is on sys.path)
+import torch
+from gpu_kernel_profile import _kernels, _value  # (run as a script: this folder is on sys.path)
 
 from loom.config import ServerArgs
 from loom.engine.backends import _build_scheduler
@@ -34,6 +37,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--kernels", action="store_true")
     p.add_argument("flags", nargs="*", help="engine arguments as key=value")
     ns = p.parse_intermixed_args()
     kw = dict(model=ns.model, load_format="dummy", skip_tokenizer_init=True)
@@ -56,13 +60,24 @@ def main() -> None:
     while sched.prefill.waiting or sched.prefill.chunked_req is not None:
         sched.step()
     sched.stats.reset()
-    prof = cProfile.Profile()
-    prof.enable()
-    for step in range(ns.steps):
-        if step % ns.every == 0:
-            add(ns.output_len)
-        sched.step()
-    prof.disable()
+    if ns.kernels:
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kp:
+            t = time.perf_counter()
+            for step in range(ns.steps):
+                if step % ns.every == 0:
+                    add(ns.output_len)
+                sched.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+    else:
+        prof = cProfile.Profile()
+        prof.enable()
+        for step in range(ns.steps):
+            if step % ns.every == 0:
+                add(ns.output_len)
+            sched.step()
+        prof.disable()
     st = sched.stats
     for kind in ("decode", "prefill", "mixed"):
         h = getattr(st, f"step_hist_{kind}")
@@ -71,7 +86,20 @@ def main() -> None:
                 f"{kind:>8} steps: {sum(h)}, p50 {1000 * hist_quantile(h, 0.5):.2f} ms, "
                 f"p99 {1000 * hist_quantile(h, 0.99):.2f} ms"
             )
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(ns.top)
+    if not ns.kernels:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(ns.top)
+        return
+    by_name = _kernels(kp)
+    total = sum(sum(v) for v in by_name.values())
+    print(
+        f"wall {1000 * wall / ns.steps:.2f} ms a step, kernels {total / 1000 / ns.steps:.2f} ms "
+        f"a step ({ns.steps} steps)"
+    )
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: ns.top]:
+        print(
+            f"  {sum(times) / 1000 / ns.steps:8.3f} ms a step {len(times):7d} x "
+            f"{sum(times) / len(times):8.2f} us  {name[:100]}"
+        )
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def main() -> int:
                 elapsed = time.perf_counter() - start
                 mask_s = e.get_server_info().get("time_grammar_mask_s", 0.0) - before
                 valid = closed = stopped = 0
+                rejected = []  # answers the grammar ended that do not validate, and why
                 for k, o in enumerate(outs):
                     reason = o["meta_info"]["finish_reason"] or {}
                     closed += "closed_within_budget_at" in reason
@@ -99,9 +100,13 @@ def main() -> int:
                         continue
                     stopped += 1
                     try:
-                        valid += checks[k // 3].is_valid(json.loads(o["text"]))
-                    except ValueError:
-                        pass
+                        err = next(checks[k // 3].iter_errors(json.loads(o["text"])), None)
+                    except ValueError as e:
+                        err = e
+                    valid += err is None
+                    if err is not None:
+                        why = getattr(err, "message", None) or str(err)
+                        rejected.append({"answer": k, "why": why[:160], "text": o["text"][:400]})
                 tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
                 row = {
                     "device": e.get_server_info().get("device"),
@@ -115,6 +120,7 @@ def main() -> int:
                     "output_tokens": tokens,
                     "elapsed_s": elapsed,
                     "grammar_host_us_per_token": 1e6 * mask_s / max(tokens, 1),
+                    "rejected": rejected,
                 }
                 print(json.dumps(row), flush=True)
                 if ns.json:
