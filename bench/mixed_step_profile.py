@@ -6,7 +6,9 @@ python bench/mixed_step_profile.py CONFIG.json [--steps N] [--running R] [--ever
 
 Prints each kind of step's p50 / p99 host time (the scheduler's histograms) and the functions
 with the most cumulative time; with ``--kernels`` (CUDA), instead of cProfile the torch profiler
-records the steps' kernels, printed by total device time per step beside the wall time.
+records the steps' kernels, printed by total device time per step beside the wall time; with
+``--sync-debug`` (CUDA) the steps run under ``torch.cuda.set_sync_debug_mode("warn")`` and each
+distinct place in Loom that synchronised with the device is printed once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import cProfile
 import pstats
 import random
 import time
+import traceback
+import warnings
 
 import torch
 from gpu_kernel_profile import _kernels, _value  # (run as a script: this folder is on sys.path)
@@ -38,6 +42,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--kernels", action="store_true")
+    p.add_argument("--sync-debug", action="store_true")
     p.add_argument("flags", nargs="*", help="engine arguments as key=value")
     ns = p.parse_intermixed_args()
     kw = dict(model=ns.model, load_format="dummy", skip_tokenizer_init=True)
@@ -60,6 +65,30 @@ def main() -> None:
     while sched.prefill.waiting or sched.prefill.chunked_req is not None:
         sched.step()
     sched.stats.reset()
+    if ns.sync_debug:
+        seen: dict[tuple, int] = {}
+
+        def show(message, *args, **kw) -> None:
+            frames = tuple(
+                f"{f.filename.split('/src/')[-1]}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack()[:-1]
+                if "/loom/" in f.filename
+            )
+            seen[frames] = seen.get(frames, 0) + 1
+
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        for step in range(ns.steps):
+            if step % ns.every == 0:
+                add(ns.output_len)
+            sched.step()
+        torch.cuda.set_sync_debug_mode("default")
+        for frames, count in sorted(seen.items(), key=lambda kv: -kv[1]):
+            print(f"{count} synchronising calls at:")
+            for f in frames[-6:]:
+                print(f"    {f}")
+        return
     if ns.kernels:
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kp:
