@@ -403,9 +403,12 @@ class PrefillManager:
         done_reqs = [reqs[i] for i in done]
         # chained: a decoding row's token in flight is sampled but not yet appended
         pending = [int(chained_on is not None and items[i].decode) for i in done]
-        sampled = InflightStep.start(
-            done_reqs, self.sampler.sample(logits[done], done_reqs, pending)
-        )
+        if done != list(range(len(logits))):
+            # an index tensor copied without blocking: ``logits[done]`` with a list waits for
+            # the device, which kept a chained mixed step from overlapping the next one's launch
+            at = torch.tensor(done, dtype=torch.int64).to(logits.device, non_blocking=True)
+            logits = logits.index_select(0, at)
+        sampled = InflightStep.start(done_reqs, self.sampler.sample(logits, done_reqs, pending))
         self._end_device_span(begin)
         return sampled, [reqs[i] for i in done if not items[i].decode]
 
