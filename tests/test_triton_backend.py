@@ -604,3 +604,39 @@ def test_mixed_graph_runner_declines_steps_outside_its_buckets():
     assert r.fits([9] + [1] * 5) is None  # 5 decoding rows
     assert r.fits([2] * (MAX_PREFILL_REQS + 1) + [1]) is None
     assert r.fits([2] * MAX_PREFILL_REQS + [1]) == (MAX_PREFILL_REQS, 2 * MAX_PREFILL_REQS)
+
+
+@_CPU_AUTO
+def test_auto_prefill_prefers_a_backend_with_mixed_graphs_under_mixed_chunks(tiny_dir, monkeypatch):
+    """With mixed steps to capture whole, `auto` gives extend batches to the best backend that
+    has mixed graphs (``supports_mixed_graph``) before a higher-priority one without them;
+    otherwise priority alone decides."""
+    from loom import plugins
+    from loom.layers.attention.torch_native import TorchNativeAttnBackend
+    from loom.layers.attention.triton_backend import TritonAttnBackend
+    from loom.model_executor.model_runner import ModelRunner
+
+    class FastPrefill(TorchNativeAttnBackend):
+        @classmethod
+        def auto_priority(cls, device, phase):
+            return 60 if phase == "prefill" else None
+
+    class GraphPrefill(TritonAttnBackend):
+        @classmethod
+        def auto_priority(cls, device, phase):
+            return 50 if phase == "prefill" else None
+
+    kw = dict(model=tiny_dir, skip_tokenizer_init=True, max_total_tokens=256, dtype="float32")
+    plugins.register("attention_backend", "fast_prefill_for_test", FastPrefill)
+    plugins.register("attention_backend", "graph_prefill_for_test", GraphPrefill)
+    try:
+        # (the CPU captures no graphs: stand in for CUDA's answer)
+        monkeypatch.setattr(
+            ModelRunner, "_wants_mixed_graphs", lambda self: self.args.enable_mixed_chunk
+        )
+        for mixed, want in ((False, "fast_prefill_for_test"), (True, "graph_prefill_for_test")):
+            with loom.Engine(enable_mixed_chunk=mixed, **kw) as e:
+                assert e.runner.prefill_attention_backend_name == want
+    finally:
+        plugins.unregister("attention_backend", "fast_prefill_for_test")
+        plugins.unregister("attention_backend", "graph_prefill_for_test")
