@@ -34,6 +34,9 @@ BUILTINS: dict[str, dict[str, str]] = {
         "gguf": "loom.model_loader.gguf_loader:GGUFLoader",
         "dummy": "loom.model_loader.loaders:DummyLoader",
     },
+    "quantization": {
+        "gguf": "loom.layers.quantization.gguf:GGUFQuantization",
+    },
     "radix_eviction_policy": {
         "lru": "loom.mem_cache.eviction:LRUPolicy",
         "lfu": "loom.mem_cache.eviction:LFUPolicy",
@@ -79,6 +82,7 @@ BUILTINS: dict[str, dict[str, str]] = {
 # Optional modules a built-in needs; `loom plugins` reports whether they are importable.
 REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model_loader", "gguf"): ("gguf",),
+    ("quantization", "gguf"): ("gguf",),
     ("attention_backend", "triton"): ("triton",),
     ("attention_backend", "flash_attention"): ("triton",),
     ("attention_backend", "flashinfer"): ("flashinfer",),

@@ -93,6 +93,13 @@ FAMILIES: dict[str, Family] = {
             "Turn a model path into a model with weights.",
         ),
         Family(
+            "quantization",
+            "loom.layers.quantization.base:QuantizationConfig",
+            "--quantization",
+            None,
+            "How linear layers store and multiply their weights.",
+        ),
+        Family(
             "logits_processor",
             "loom.sampling.base:LogitsProcessor",
             "request field `custom_logit_processor`",

@@ -68,6 +68,14 @@ class ModelArgs:
     load_format: str = field(
         default="auto", metadata=_arg("How to load weights.", family="model_loader")
     )
+    quantization: str | None = field(
+        default=None,
+        metadata=_arg(
+            "How linear layers store their weights: gguf keeps a GGUF file's Q4_0 / Q4_1 "
+            "weights in their 4-bit blocks (CPU); default: dense in --dtype.",
+            family="quantization",
+        ),
+    )
     model_impl: str = field(
         default="auto",
         metadata=_arg(

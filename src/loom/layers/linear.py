@@ -47,6 +47,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class LinearBase(nn.Module):
+    # set by quantization.base.apply_quantization: the layer's own storage and matmul
+    quant_method = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size = input_size
@@ -67,10 +70,18 @@ class LinearBase(nn.Module):
         _copy(param, loaded)
 
     def process_weights_after_loading(self) -> None:
-        relayout_for_cpu_gemv(self.weight)
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+        else:
+            relayout_for_cpu_gemv(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -95,7 +106,7 @@ class ColumnParallelLinear(LinearBase):
         _copy(param, loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x):
-        y = linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
 
@@ -164,7 +175,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x):
-        y = linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

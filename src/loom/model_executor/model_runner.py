@@ -76,6 +76,10 @@ def model_config_for(
             f"{model_context} (max_position_embeddings with its rope scaling): positions past "
             "it were never trained and have no rotary table"
         )
+    quant_config = None
+    if args.quantization is not None:
+        cls = plugins.resolve("quantization", args.quantization)
+        quant_config = cls.from_model(path, hf_config)
     return loader, ModelConfig(
         path=path,
         hf_config=hf_config,
@@ -84,6 +88,7 @@ def model_config_for(
         architecture=archs[0],
         seed=args.random_seed,
         model_impl=args.model_impl,
+        quant_config=quant_config,
     )
 
 

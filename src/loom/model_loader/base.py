@@ -32,6 +32,8 @@ class ModelConfig:
     architecture: str
     seed: int = 0
     model_impl: str = "auto"  # --model-impl: see resolve_model_class
+    # --quantization's QuantizationConfig (loom.layers.quantization.base), or None: dense
+    quant_config: Any = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,11 @@ def resolve_model_class(architecture: str, model_impl: str = "auto") -> type:
 
 def build_model(model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
     """Instantiate the architecture's class (:func:`resolve_model_class`), uninitialised, on
-    the device."""
+    the device, its linear layers given ``model_config.quant_config``'s methods."""
     cls = resolve_model_class(model_config.architecture, model_config.model_impl)
     with default_dtype(model_config.dtype), torch.device(device_config.device):
         model = cls(model_config.hf_config)
+        if model_config.quant_config is not None:
+            count = model_config.quant_config.apply(model)
+            logger.info("%s: %d linear layers quantized", model_config.quant_config.name, count)
     return model

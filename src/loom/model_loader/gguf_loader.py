@@ -151,11 +151,18 @@ class GGUFLoader(ModelLoader):
 
     # ---- weights ----------------------------------------------------------------------------
 
-    def iterate_weights(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF checkpoint name, fp32 tensor) pairs of the file's weights."""
+    def iterate_weights(
+        self, path: str, hf_config: Any, quant_config: Any = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF checkpoint name, fp32 tensor) pairs of the file's weights; those
+        ``quant_config`` wants in its stored form (``load_form``) as their raw blocks
+        (``[rows, bytes]`` uint8, rows in HF order)."""
         from safetensors import safe_open
         from safetensors.torch import save_file
 
+        if quant_config is not None:  # (the on-disk cache holds dequantised weights)
+            yield from self._dequantized(path, hf_config, quant_config.load_form)
+            return
         cached = self._cached(path, "weights")
         if cached is not None:
             with safe_open(os.path.join(cached, "model.safetensors"), framework="pt") as f:
@@ -173,16 +180,24 @@ class GGUFLoader(ModelLoader):
         self._store(path, "weights", write)
         yield from weights.items()
 
-    def _dequantized(self, path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def _dequantized(
+        self, path: str, hf_config: Any, raw: Callable[[str], bool] = lambda name: False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         layout = layout_for(self._metadata(path))
         tensors = self._reader(path).tensors
         for t in tqdm(tensors, desc="Loading GGUF", unit="tensor", leave=False):
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            hf = layout.hf_name(t.name)
+            keep = hf is not None and raw(hf)
+            w = t.data if keep else gguf.quants.dequantize(t.data, t.tensor_type)
             for name, part in layout.hf_tensors(t.name, w, hf_config):
                 # a writable copy of its own (the reader memory-maps; experts are slices)
-                yield name, torch.from_numpy(np.array(part, dtype=np.float32))
+                yield name, torch.from_numpy(np.array(part, dtype=np.uint8 if keep else np.float32))
 
     def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         model = build_model(model_config, device_config)
-        model.load_weights(self.iterate_weights(model_config.path, model_config.hf_config))
+        model.load_weights(
+            self.iterate_weights(
+                model_config.path, model_config.hf_config, model_config.quant_config
+            )
+        )
         return process_weights_after_loading(model)

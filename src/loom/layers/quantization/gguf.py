@@ -1,0 +1,119 @@
+"""``--quantization gguf``: a GGUF file's 4-bit linear weights kept in their blocks.
+
+Q4_0 and Q4_1 store each row in blocks of 32 weights: an fp16 scale ``d`` (Q4_1: and an fp16
+offset ``m``) and 32 4-bit values ``q``, the weight being ``(q - 8) * d`` (Q4_1: ``q * d + m``).
+That is int4 with one scale and zero point per group of 32 along the input dimension, which
+PyTorch's CPU int4 matmul reads directly (``w = (q - 8) * scale + zero``: Q4_1's zero is
+``m + 8 d``), so a layer keeps its file's 4.5 / 5 bits a weight instead of 32. The loader hands
+these layers each tensor's raw blocks (``[rows, blocks * bytes]``, uint8, rows already in HF order),
+which the packed layers' loaders place by rows like dense ones; after loading they are unpacked
+into the int4 layout once. Layers whose parts are stored in other formats (Q8_0, the K-quants,
+F16, or parts of different formats) stay dense, dequantised as before.
+
+The matmul runs in bf16 (the CPU kernel's only fast input type; the scales round to bf16) and
+returns ``x``'s dtype. CPU only: on CUDA there is no packed kernel yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.layers.quantization.base import LinearMethod, QuantizationConfig
+
+GROUP = 32
+# block bytes by GGML type name: fp16 scale (and fp16 offset), then 16 bytes of 32 nibbles
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def unpack_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``raw`` ``[rows, blocks * BLOCK_BYTES]`` (uint8) as int4 values ``[rows, blocks * 32]``
+    (0..15), and the per-group ``scale`` and ``zero`` ``[rows, blocks]`` (fp32) with
+    ``w = (q - 8) * scale + zero``."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    if qtype == "Q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        zero, qs = m + 8 * d, b[..., 4:]
+    else:
+        zero, qs = torch.zeros_like(d), b[..., 2:]
+    # element j of a block sits in the low nibble of byte j, element j + 16 in its high nibble
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)
+    return q.to(torch.int32), d, zero
+
+
+class GGUFLinearMethod(LinearMethod):
+    def __init__(self, qtype: str) -> None:
+        self.qtype = qtype
+
+    def create_weights(self, layer: nn.Module) -> None:
+        out_features, in_features = layer.weight.shape
+        if layer.weight.device.type != "cpu":
+            raise ValueError("--quantization gguf runs on CPU only (no CUDA kernel for its blocks)")
+        if in_features % GROUP:
+            raise ValueError(f"input size {in_features} is not a multiple of {GROUP}")
+        row_bytes = in_features // GROUP * BLOCK_BYTES[self.qtype]
+        weight = nn.Parameter(
+            torch.empty(out_features, row_bytes, dtype=torch.uint8, device=layer.weight.device),
+            requires_grad=False,
+        )
+        weight.weight_loader = layer.weight_loader
+        layer.weight = weight
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale, zero = unpack_blocks(layer.weight.data, self.qtype)
+        layer.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # [groups, out, 2]: each group's scale and zero for every output row
+        layer.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
+        del layer.weight
+        layer.register_parameter("weight", None)
+
+    def apply(self, layer, x, bias):
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(torch.bfloat16), layer.qweight, GROUP, layer.scales_zeros
+        ).to(x.dtype)
+        y = y.reshape(*shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+
+class GGUFQuantization(QuantizationConfig):
+    """``types``: each checkpoint tensor's GGML type name, by HF name."""
+
+    name = "gguf"
+
+    def __init__(self, types: dict[str, str]) -> None:
+        self.types = types
+        self._packed: set[str] = set()
+
+    @classmethod
+    def from_model(cls, model_path: str, hf_config: Any) -> GGUFQuantization:
+        import gguf
+
+        from loom.model_loader.gguf_layouts import layout_for
+        from loom.model_loader.gguf_loader import GGUFLoader
+
+        if not (model_path.endswith(".gguf") and GGUFLoader.can_load(model_path)):
+            raise ValueError(f"--quantization gguf needs a .gguf file, not {model_path}")
+        loader = GGUFLoader()
+        layout = layout_for(loader._metadata(model_path))
+        types = {}
+        for t in gguf.GGUFReader(model_path).tensors:
+            hf = layout.hf_name(t.name)
+            if hf is not None and "{e}" not in hf:
+                types[hf] = t.tensor_type.name
+        return cls(types)
+
+    def linear_method(self, prefix: str, sources: list[str]) -> LinearMethod | None:
+        found = [s for s in sources if s in self.types]
+        kinds = {self.types[s] for s in found}
+        if not found or len(kinds) != 1 or next(iter(kinds)) not in BLOCK_BYTES:
+            return None
+        self._packed.update(found)
+        return GGUFLinearMethod(kinds.pop())
+
+    def load_form(self, name: str) -> bool:
+        return name in self._packed
