@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import loom
+from loom import plugins
 from loom.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from loom.layers.quantization.gguf import GROUP, GGUFLinearMethod, unpack_blocks
+from loom.testing import check_quantization
 from tests.conftest import CHAT_PROMPTS, chat_ids
 
 
@@ -90,3 +92,9 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path):
     tiny = save_tiny_llama(tmp_path / "tiny", vocab_size=128)
     with pytest.raises(ValueError, match="--quantization gguf needs a .gguf file"):
         loom.Engine(model=tiny, skip_tokenizer_init=True, quantization="gguf")
+
+
+@pytest.mark.parametrize("name", plugins.names("quantization"))
+def test_conformance_kit(name, smol_gguf):
+    """Each registered member through the family's kit, on the default model (a GGUF)."""
+    assert check_quantization(name, smol_gguf, min_layers=4 * 30) == 4 * 30

@@ -19,6 +19,7 @@ from loom.testing.logits_processor import check_logits_processor
 from loom.testing.lora_eviction_policy import check_lora_eviction_policy
 from loom.testing.model import TINY_ARCHITECTURES, check_model, check_model_engine, tiny_config
 from loom.testing.model_loader import check_model_loader
+from loom.testing.quantization import check_quantization
 from loom.testing.radix_eviction_policy import check_radix_eviction_policy
 from loom.testing.schedule_policy import check_schedule_policy
 from loom.testing.tool_call_parser import check_tool_call_parser
@@ -33,6 +34,7 @@ __all__ = [
     "check_model",
     "check_model_engine",
     "check_model_loader",
+    "check_quantization",
     "check_radix_eviction_policy",
     "check_schedule_policy",
     "check_tool_call_parser",
