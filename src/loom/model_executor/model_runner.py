@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,6 +93,20 @@ def model_config_for(
     )
 
 
+def _log_load(model: torch.nn.Module, device: torch.device, seconds: float) -> None:
+    """One line: load time, the weights' bytes and the peak memory of the load (the device's
+    allocator on CUDA, the process's resident peak on CPU)."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if device.type == "cuda":
+        peak = f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    else:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = f"peak process memory {rss / 2**30:.2f} GiB"
+    logger.info("loaded the model in %.1f s: weights %.2f GiB, %s", seconds, weights / 2**30, peak)
+
+
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, loader=None) -> None:
         args = server_args
@@ -104,7 +119,9 @@ class ModelRunner:
         self.model_path = self.model_config.path
         loader = self.loader
         self.vocab_size = self.model_config.hf_config.vocab_size
+        start = time.perf_counter()
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
+        _log_load(self.model, self.device, time.perf_counter() - start)
         self.lora_manager = None
         if args.enable_lora:
             from loom.lora.manager import LoRAManager

@@ -24,6 +24,17 @@ def _safetensors_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
 
 
+def _count_tensors(path: str) -> int:
+    """Tensors in the directory's safetensors files (their headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
 class SafetensorsLoader(ModelLoader):
     """An HF directory: config.json, *.safetensors and tokenizer files."""
 
@@ -46,6 +57,7 @@ class SafetensorsLoader(ModelLoader):
         model = build_model(model_config, device_config)
         weights = tqdm(
             self.iterate_weights(model_config.path),
+            total=_count_tensors(model_config.path),
             desc="Loading safetensors",
             unit="tensor",
             leave=False,
