@@ -40,6 +40,7 @@ from loom.scheduler.messages import (
     LoadLoRA,
     SchedulerBatchOut,
     UnloadLoRA,
+    UpdateWeights,
 )
 
 
@@ -411,13 +412,37 @@ class Engine:
         self._control_call(lambda rid: UnloadLoRA(rid, name))
         self.lora_names.discard(name)
 
-    def _control_call(self, message: Callable[[str], Any]) -> None:
-        """Send a control message to the scheduler and wait for its reply; its error, if any,
-        raised as a ValueError."""
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False
+    ) -> tuple[bool, str, int]:
+        """Swap the model's weights for the checkpoint at ``model_path`` (same architecture and
+        shapes) between two steps, as SGLang's: the running requests are paused and go on with
+        the new weights, or aborted with ``abort_all_requests``; the prefix cache is emptied.
+        Returns (success, message, number of paused requests); on failure the old weights keep
+        serving."""
+        from loom.model_loader.model_path import resolve_model_path
+
+        if not isinstance(model_path, str) or not model_path:
+            raise ValueError("update_weights_from_disk takes a non-empty model_path")
+        try:
+            path = resolve_model_path(model_path)
+            out = self._control_call(
+                lambda rid: UpdateWeights(rid, path, load_format, bool(abort_all_requests))
+            )
+        except (ValueError, OSError) as e:
+            return False, str(e), 0
+        self.model_path = self.info["model_path"] = path
+        paused = out.finished_reason.get("num_paused_requests", 0)
+        return True, f"weights updated from {path}", paused
+
+    def _control_call(self, message: Callable[[str], Any]) -> Any:
+        """Send a control message to the scheduler and wait for its reply (returned); its
+        error, if any, raised as a ValueError."""
         self._check_alive()
         out = self.router.call(self.backend.send, self._check_alive, message)
         if out.error is not None:
             raise ValueError(out.error)
+        return out
 
     async def async_generate(
         self,

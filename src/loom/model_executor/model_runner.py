@@ -93,10 +93,22 @@ def model_config_for(
     )
 
 
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by name (a quantized layer's packed tensors are
+    buffers), and the tensors modules derive from them when loaded (plain attributes: the
+    LM head's GEMV layout, Gemma's norm scales)."""
+    out = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{prefix}.{attr}" if prefix else attr] = value
+    return out
+
+
 def _log_load(model: torch.nn.Module, device: torch.device, seconds: float) -> None:
     """One line: load time, the weights' bytes and the peak memory of the load (the device's
     allocator on CUDA, the process's resident peak on CPU)."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if device.type == "cuda":
         peak = f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
     else:
@@ -133,6 +145,41 @@ class ModelRunner:
         self.cuda_graph_runner = None
         self.piecewise_graph_runner = None
         self.mixed_graph_runner = None
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
+        """Load the checkpoint at ``model_path`` (``load_format``: this runner's when None) into
+        a new model and copy its tensors into this one's in place, so that the CUDA graphs and
+        kernels keep their addresses. Raises ValueError when it cannot (another architecture,
+        a tensor of another name, shape or dtype) with the current weights untouched; the new
+        model is built whole first, so this needs memory for a second copy of the weights."""
+        args = self.args.replace(model=model_path, load_format=load_format or self.args.load_format)
+        loader, config = model_config_for(args, self.dtype)
+        if config.architecture != self.model_config.architecture:
+            raise ValueError(
+                f"{model_path} is a {config.architecture}, this server runs a "
+                f"{self.model_config.architecture}"
+            )
+        start = time.perf_counter()
+        new = loader.load_model(config, DeviceConfig(self.device))
+        old_tensors, new_tensors = _tensors(self.model), _tensors(new)
+        if old_tensors.keys() != new_tensors.keys():
+            diff = sorted(old_tensors.keys() ^ new_tensors.keys())
+            raise ValueError(
+                f"{model_path}: its model's tensors differ from this one's: {diff[:4]}"
+            )
+        for name, old in old_tensors.items():
+            t = new_tensors[name]
+            if t.shape != old.shape or t.dtype != old.dtype:
+                raise ValueError(
+                    f"{model_path}: {name} is {t.dtype} {tuple(t.shape)}, this model's "
+                    f"{old.dtype} {tuple(old.shape)}"
+                )
+        with torch.inference_mode():
+            for name, old in old_tensors.items():
+                old.copy_(new_tensors[name])
+        del new, new_tensors
+        self.loader, self.model_config, self.model_path = loader, config, config.path
+        logger.info("weights updated from %s in %.1f s", model_path, time.perf_counter() - start)
 
     def bind(self, req_to_token_pool: ReqToTokenPool) -> None:
         """Take the request-to-token table (the cache manager's; the attention kernels read

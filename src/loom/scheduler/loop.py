@@ -20,6 +20,7 @@ from loom.scheduler.messages import (
     SchedulerBatchOut,
     Shutdown,
     UnloadLoRA,
+    UpdateWeights,
 )
 from loom.scheduler.request import Req
 from loom.scheduler.stats import scheduler_stats
@@ -60,6 +61,8 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
                     emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
             elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
                 emit(SchedulerBatchOut([_lora(sched, msg)], scheduler_stats(sched)))
+            elif isinstance(msg, UpdateWeights):
+                emit(SchedulerBatchOut(_update_weights(sched, msg), scheduler_stats(sched)))
             elif isinstance(msg, Abort):
                 sched.abort(msg.rid)
             elif isinstance(msg, FlushCache):
@@ -77,6 +80,21 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
             emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
             last_emit = now
             sched.stats.time_emit_s += time.monotonic() - now
+
+
+def _update_weights(sched, msg: UpdateWeights) -> list[ReqOutput]:
+    """The outputs of the requests the update ended or drained, then the reply for its id."""
+    try:
+        error, outputs, paused = sched.update_weights_from_disk(
+            msg.model_path, msg.load_format, msg.abort_all_requests
+        )
+    except Exception as e:  # noqa: BLE001 - a bad control message ends only itself
+        logger.exception("update_weights_from_disk %r failed", msg.model_path)
+        error, outputs, paused = f"{type(e).__name__}: {e}", [], 0
+    reason = {"type": "stop" if error is None else "abort", "num_paused_requests": paused}
+    if error is not None:
+        reason["message"] = error
+    return [*outputs, ReqOutput(msg.id, [], 0, 0, 0, reason, error)]
 
 
 def _lora(sched, msg: LoadLoRA | UnloadLoRA) -> ReqOutput:

@@ -3,8 +3,8 @@ are over ZMQ when the scheduler runs in a process of its own.
 
 In: ``AddRequests`` (a call's requests travel together, so one ``generate`` call's requests are
 scheduled together whatever the threads' timing), ``Abort``, ``FlushCache``, ``LoadLoRA`` /
-``UnloadLoRA`` (answered by a ``ReqOutput`` for their ``id`` whose ``error`` says why they
-failed) and ``Shutdown``. Out: ``SchedulerBatchOut``, a step's ``ReqOutput``s plus load figures.
+``UnloadLoRA`` and ``UpdateWeights`` (answered by a ``ReqOutput`` for their ``id`` whose
+``error`` says why they failed) and ``Shutdown``. Out: ``SchedulerBatchOut``, a step's ``ReqOutput``s plus load figures.
 """
 
 from __future__ import annotations
@@ -61,11 +61,24 @@ class UnloadLoRA:
 
 
 @dataclass(frozen=True)
+class UpdateWeights:
+    """Swap the model's weights for those at ``model_path`` (SGLang's update_weights_from_disk);
+    the running requests are aborted with ``abort_all_requests``, else paused (retracted, to
+    continue on the new weights). The reply's ``finished_reason`` carries
+    ``num_paused_requests``."""
+
+    id: str
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-Message = AddRequests | Abort | FlushCache | LoadLoRA | UnloadLoRA | Shutdown
+Message = AddRequests | Abort | FlushCache | LoadLoRA | UnloadLoRA | UpdateWeights | Shutdown
 
 
 @dataclass

@@ -170,6 +170,49 @@ class Scheduler:
         self.cache.flush()
         return True
 
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None, abort_all: bool
+    ) -> tuple[str | None, list[ReqOutput], int]:
+        """Swap the weights (``ModelRunner.update_weights_from_disk``) between steps: the steps
+        in flight are resolved, then every request is aborted (``abort_all``) or the running
+        ones (and a prompt being chunked) are retracted to the front of the queue, to go on from
+        their tokens so far on the new weights; the prefix cache, computed by the old weights,
+        is emptied. Returns the error (None: swapped; the old weights keep serving otherwise),
+        the outputs this produced and how many requests were paused."""
+        outputs = self._resolve_inflight()
+        paused = 0
+        if abort_all:
+            self._aborts |= {r.rid for r in self.grammar_queue}
+            for queue in (self.prefill.waiting, self.decode.running):
+                self._aborts |= {r.rid for r in queue}
+            if self.prefill.chunked_req is not None:
+                self._aborts.add(self.prefill.chunked_req.rid)
+            outputs += self._apply_aborts()
+        else:
+            chunked, self.prefill.chunked_req = self.prefill.chunked_req, None
+            running = self.decode.running + ([chunked] if chunked is not None else [])
+            self.decode.running = []
+            for req in reversed(running):  # (appended to the front: they keep their order)
+                self._retract(req)
+            paused = len(running)
+        self.cache.flush()
+        try:
+            self.runner.update_weights_from_disk(model_path, load_format)
+        except (ValueError, OSError) as e:
+            return str(e), outputs, paused
+        return None, outputs, paused
+
+    def _resolve_inflight(self) -> list[ReqOutput]:
+        """Apply the steps still in flight (their tokens)."""
+        outputs = []
+        if self.decode.inflight is not None:
+            outputs += self.decode.resolve(self.decode.inflight)
+            self.decode.inflight = None
+        if self.prefill.inflight is not None:
+            pending, self.prefill.inflight = self.prefill.inflight, None
+            outputs += self.prefill.resolve(pending)
+        return outputs
+
     # ---- failures -------------------------------------------------------------------------
 
     def _fail(self, req: Req, message: str, status: int = 400) -> ReqOutput:

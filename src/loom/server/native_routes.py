@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from loom.sampling.limits import show
 from loom.server.context import ServerContext
@@ -224,6 +224,25 @@ def router(ctx: ServerContext) -> APIRouter:
         except ValueError as e:
             raise value_error(e) from e
         return {"success": True, "loaded_adapters": adapters()}
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        """SGLang's body (``model_path``, optional ``load_format`` and ``abort_all_requests``)
+        and answer (``success``, ``message``, ``num_paused_requests``; 400 on failure)."""
+        body = await body_of(request)
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            raise bad('update_weights_from_disk needs {"model_path": "..."}', "model_path")
+        load_format = body.get("load_format")
+        if load_format is not None and not isinstance(load_format, str):
+            raise bad("load_format must be a string", "load_format")
+        success, message, paused = await asyncio.to_thread(
+            engine.update_weights_from_disk,
+            body["model_path"],
+            load_format,
+            bool(body.get("abort_all_requests", False)),
+        )
+        answer = {"success": success, "message": message, "num_paused_requests": paused}
+        return JSONResponse(answer, status_code=200 if success else 400)
 
     @router.post("/abort_request")
     async def abort_request(request: Request):

@@ -65,9 +65,11 @@ class GGUFLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scale, zero = unpack_blocks(layer.weight.data, self.qtype)
-        layer.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        layer.register_buffer("qweight", packed, persistent=False)
         # [groups, out, 2]: each group's scale and zero for every output row
-        layer.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
+        layer.register_buffer("scales_zeros", sz, persistent=False)
         del layer.weight
         layer.register_parameter("weight", None)
 
