@@ -145,6 +145,18 @@ def test_model_engine_kit(name):
 def _loader_kit_args(name, request):
     if name == "dummy":  # random weights: no oracle
         return {"reference": None}
+    if name == "pt":  # the kit's tiny Llama with its weights as a PyTorch pickle
+        from safetensors.torch import load_file
+
+        from loom.testing._common import save_tiny_llama as kit_tiny_llama
+        from loom.testing._common import tiny_llama_config
+
+        path = request.getfixturevalue("tmp_path") / "pt"
+        kit_tiny_llama(str(path), tiny_llama_config(), 0)
+        st = path / "model.safetensors"
+        torch.save(load_file(st), path / "pytorch_model.bin")
+        st.unlink()
+        return {"path": str(path)}
     if name == "gguf":  # SmolLM2's GGUF against transformers' own load of it
         return {
             "path": request.getfixturevalue("smol_gguf"),

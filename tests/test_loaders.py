@@ -106,3 +106,39 @@ def test_gguf_config_and_chat_template(engine):
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
     text = engine.tokenizer.decode(engine.apply_chat_template([{"role": "user", "content": "hi"}]))
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_pt_loader_reads_pickled_weights_and_refuses_code(tmp_path):
+    """``*.bin`` weights load through ``torch.load(weights_only=True)`` (``auto`` picks the pt
+    loader for such a directory) and give the safetensors copy's tokens; a pickle that would run
+    code when loaded is refused by name."""
+    import pickle
+
+    from transformers import AutoModelForCausalLM
+
+    st = save_tiny_llama(tmp_path / "st")
+    AutoModelForCausalLM.from_pretrained(st).save_pretrained(
+        tmp_path / "pt", safe_serialization=False
+    )
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (3, 20)).tolist()
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    kw = dict(skip_tokenizer_init=True, max_total_tokens=1024, dtype="float32")
+    outs = {}
+    for name in ("st", "pt"):
+        with loom.Engine(model=str(tmp_path / name), **kw) as e:
+            outs[name] = [
+                o["output_ids"] for o in e.generate(input_ids=ids, sampling_params=params)
+            ]
+    assert outs["pt"] == outs["st"]
+
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("this ran while unpickling",))
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "config.json").write_text((tmp_path / "pt" / "config.json").read_text())
+    with open(evil / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": RunsCode()}, f)
+    with pytest.raises(ValueError, match="pytorch_model.bin: not a weights-only"):
+        loom.Engine(model=str(evil), **kw)

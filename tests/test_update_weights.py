@@ -56,7 +56,10 @@ def test_swap_gives_the_new_checkpoints_tokens_and_refusals_keep_the_old(ckpts, 
         assert e.runner.model.model.layers[0].mlp.down_proj.weight.data_ptr() == graphs_before
         assert _greedy(e) == want[b]  # the prefix cache held a's KV for these prompts
         assert e.get_server_info()["model_path"] == b
-        for bad, names in ((str(a) + "-missing", "missing"), (wide, "gate_up_proj.weight is torch.float32 (192, 64)")):
+        for bad, names in (
+            (str(a) + "-missing", "missing"),
+            (wide, "gate_up_proj.weight is torch.float32 (192, 64)"),
+        ):
             ok, message, _ = e.update_weights_from_disk(bad)
             assert not ok and names in message, message
             assert _greedy(e) == want[b]

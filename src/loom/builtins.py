@@ -31,6 +31,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "model_loader": {
         "auto": "loom.model_loader.loaders:AutoLoader",
         "safetensors": "loom.model_loader.loaders:SafetensorsLoader",
+        "pt": "loom.model_loader.loaders:PtLoader",
         "gguf": "loom.model_loader.gguf_loader:GGUFLoader",
         "dummy": "loom.model_loader.loaders:DummyLoader",
     },

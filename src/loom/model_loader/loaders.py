@@ -1,4 +1,4 @@
-"""Built-in loaders: auto, safetensors, dummy (gguf lives in gguf_loader.py)."""
+"""Built-in loaders: auto, safetensors, pt, dummy (gguf lives in gguf_loader.py)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,52 @@ class SafetensorsLoader(ModelLoader):
             self.iterate_weights(model_config.path),
             total=_count_tensors(model_config.path),
             desc="Loading safetensors",
+            unit="tensor",
+            leave=False,
+        )
+        model.load_weights(weights)
+        return process_weights_after_loading(model)
+
+
+def _pt_files(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return []
+    return sorted(
+        f for pattern in ("*.bin", "*.pt") for f in glob.glob(os.path.join(path, pattern))
+    )
+
+
+class PtLoader(ModelLoader):
+    """An HF directory whose weights are PyTorch pickles (``pytorch_model*.bin``, ``*.pt``),
+    read with ``torch.load(weights_only=True)``: tensors and plain containers only, so a file
+    that would run code when unpickled is refused. ``auto`` picks it when there are no
+    safetensors files."""
+
+    @classmethod
+    def can_load(cls, path: str) -> bool:
+        return bool(_pt_files(path)) and not _safetensors_files(path)
+
+    def iterate_weights(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        files = _pt_files(path)
+        if not files:
+            raise FileNotFoundError(f"no *.bin or *.pt files in {path}")
+        for file in files:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise ValueError(
+                    f"{file}: not a weights-only PyTorch checkpoint (torch.load with "
+                    f"weights_only=True refused it: {e})"
+                ) from e
+            if not isinstance(state, dict):
+                raise ValueError(f"{file}: holds a {type(state).__name__}, not a state dict")
+            yield from state.items()
+
+    def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        model = build_model(model_config, device_config)
+        weights = tqdm(
+            self.iterate_weights(model_config.path),
+            desc="Loading PyTorch weights",
             unit="tensor",
             leave=False,
         )
