@@ -36,6 +36,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "dummy": "loom.model_loader.loaders:DummyLoader",
     },
     "quantization": {
+        "fp8": "loom.layers.quantization.fp8:Fp8Quantization",
         "gguf": "loom.layers.quantization.gguf:GGUFQuantization",
     },
     "radix_eviction_policy": {

@@ -71,8 +71,9 @@ class ModelArgs:
     quantization: str | None = field(
         default=None,
         metadata=_arg(
-            "How linear layers store their weights: gguf keeps a GGUF file's Q4_0 / Q4_1 "
-            "weights in their 4-bit blocks (CPU); default: dense in --dtype.",
+            "How linear layers store their weights: fp8 (E4M3 with per-channel scales, "
+            "quantized at load; FP8 matmuls on Ada / Hopper GPUs), gguf (a GGUF file's Q4_0 / "
+            "Q4_1 weights kept in their 4-bit blocks; CPU); default: dense in --dtype.",
             family="quantization",
         ),
     )
