@@ -271,3 +271,46 @@ def test_sampled_answers_keep_a_length_beside_a_pattern(sengine):
             input_ids=ids, sampling_params={"max_new_tokens": 4, "json_schema": json.dumps(bad)}
         )
     assert sengine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_no_raw_control_character_inside_a_string_whatever_the_tokenizers_decoder(engine, name):
+    """Inside a JSON string the grammar refuses the newline token (``Ċ``, a raw newline) and
+    special tokens (XGrammar's masks admit ``<|endoftext|>`` there), and takes a letter, also when the tokenizer's decoder is the ``Sequence[ByteFallback, Fuse,
+    Replace, ByteLevel]`` that transformers 5.17 gives SmolLM2's GGUF tokenizer (which
+    llguidance read as byte-fallback text: ``Ċ`` a letter, raw newlines in strings)."""
+    from copy import deepcopy
+
+    from tokenizers import decoders
+
+    tok = deepcopy(engine.tokenizer)
+    tok.backend_tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "), decoders.ByteLevel()]
+    )
+    newline = tok.convert_tokens_to_ids("Ċ")
+    assert tok.decode([newline]) == "\n"
+    letter = tok.encode("a", add_special_tokens=False)[0]
+    backend = plugins.resolve("grammar_backend", name)(
+        tok, engine.vocab_size, sorted(engine.eos_token_ids)
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    compiled = backend.compile("json_schema", json.dumps(schema))
+    for start in ('{"a":"', '{"a": "'):  # (the backends' compact spellings differ)
+        m = backend.matcher(compiled)
+        if all(m.accept_token(t) for t in tok.encode(start, add_special_tokens=False)):
+            break
+    else:
+        raise AssertionError("neither spelling of the object's start was accepted")
+    mask = backend.allocate_vocab_mask(1)
+    backend.reset_vocab_mask(mask)
+    m.fill_vocab_mask(mask, 0)
+    words = mask[0].tolist()
+
+    def allowed(i: int) -> bool:
+        return (words[i >> 5] >> (i & 31)) & 1 == 1
+
+    assert allowed(letter) and not allowed(newline)
+    # nor a special token, which decoding would drop from the answer
+    specials = [i for i, t in tok.added_tokens_decoder.items() if t.special]
+    specials = [i for i in {*specials, *tok.all_special_ids} if i not in engine.eos_token_ids]
+    assert specials and not any(allowed(i) for i in specials)

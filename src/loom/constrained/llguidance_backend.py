@@ -43,6 +43,27 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
+def tokenizer_json(tokenizer: Any) -> str:
+    """The fast tokenizer's serialisation as llguidance reads it, with a decoder that is a
+    ``Sequence`` holding a ``ByteLevel`` step replaced by that step alone. transformers (5.17)
+    converts some GGUF tokenizers (SmolLM2's) to ``Sequence[ByteFallback, Fuse, Replace,
+    ByteLevel]``; llguidance (1.9) then reads the vocabulary as byte-fallback text, taking
+    ``Ċ`` (a newline) for a letter, and lets raw control characters into JSON strings. The
+    other steps do nothing to a byte-level vocabulary."""
+    from copy import copy
+
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    data = json.loads(backend.to_str())
+    decoder = data.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        levels = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if levels:
+            data["decoder"] = levels[0]
+    return json.dumps(data)
+
+
 class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher: Any) -> None:
         self.m = matcher
@@ -74,14 +95,12 @@ class LLGuidanceBackend(GrammarBackend):
 
         self._ll = llguidance
         stops = list(self.stop_token_ids or [])
+        text = tokenizer_json(tokenizer)
         try:
-            self.lltok = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=stops or None
-            )
+            self.lltok = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=stops or None)
         except TypeError:  # llguidance < 1.7 takes a single end-of-sequence id
-            self.lltok = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=stops[0] if stops else None
-            )
+            eos = stops[0] if stops else tokenizer.eos_token_id
+            self.lltok = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
         self._executor = None
 
     def compile(self, kind: str, text: str) -> Any:

@@ -7,6 +7,13 @@ and llguidance enforces (a length beside a pattern, ``allOf``, ...; ``schema_sup
 compiled by llguidance instead: its matchers fill the same bitmask layout, so they share the
 batch's mask and XGrammar's kernel. Keywords neither enforces are a 400. EBNF is XGrammar's
 GBNF dialect with a ``root`` rule.
+
+In a JSON schema's answer XGrammar's masks also admit, inside strings, special tokens (SmolLM2's
+``<|endoftext|>``, ``<|im_start|>``: dropped when the answer is decoded, which can leave a
+string shorter than its ``minLength``) and, in some states, tokens holding raw control
+characters (which ``json.loads`` rejects); a model-free fuzz of the bench's schemas found both
+(``bench/grammar_fuzz.py``). Compact JSON has no place for either, so a JSON schema's rows are
+also cleared of them (``json_safe_words``: one AND per row).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from loom.constrained.base import GrammarBackend, GrammarError, GrammarMatcher
@@ -22,9 +30,31 @@ from loom.constrained.schema_support import check_schema, check_tag_schemas
 _HALF_CPUS = max(1, (os.cpu_count() or 2) // 2)
 
 
+def json_safe_words(tokenizer: Any, vocab_size: int, stop_token_ids) -> torch.Tensor:
+    """A bitmask row (int32 words) of the tokens a compact JSON answer may hold: all but the
+    special tokens other than the stop tokens, and tokens whose text has a character below
+    U+0020."""
+    stops = set(stop_token_ids or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {i for i, t in added.items() if getattr(t, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_ids", None) or [])
+    banned = special - stops
+    for i in range(min(len(tokenizer), vocab_size)):
+        if i not in stops and any(ord(ch) < 32 for ch in tokenizer.decode([i])):
+            banned.add(i)
+    words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+    for i in banned:
+        if 0 <= i < vocab_size:
+            words[i >> 5] &= np.uint32(~(1 << (i & 31)) & 0xFFFFFFFF)
+    return torch.from_numpy(words.view(np.int32))
+
+
 class XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: Any) -> None:
+    """``safe``: for a JSON schema, the ``json_safe_words`` row its masks are ANDed with."""
+
+    def __init__(self, matcher: Any, safe: torch.Tensor | None = None) -> None:
         self.m = matcher
+        self.safe = safe
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self.m.accept_token(token_id))
@@ -34,12 +64,14 @@ class XGrammarMatcher(GrammarMatcher):
 
     def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(mask, row)
+        if self.safe is not None:
+            mask[row] &= self.safe
 
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
 
     def copy(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.m.fork())
+        return XGrammarMatcher(self.m.fork(), self.safe)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -54,6 +86,7 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgr.GrammarCompiler(info, max_threads=int(options.get("max_threads", 4)))
         self._batch: dict[int, Any] = {}  # thread count -> xgr.BatchGrammarMatcher
         self._llguidance: GrammarBackend | None = None
+        self._json_safe: torch.Tensor | None = None
 
     def compile(self, kind: str, text: str) -> Any:
         c = self.compiler
@@ -63,7 +96,8 @@ class XGrammarBackend(GrammarBackend):
             check_tag_schemas(text)
         try:
             if kind == "json_schema":
-                return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                compiled = c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                return _Json(compiled, self.json_safe())
             if kind == "regex":
                 return c.compile_regex(text)
             if kind == "ebnf":
@@ -84,9 +118,17 @@ class XGrammarBackend(GrammarBackend):
             )
         return self._llguidance
 
+    def json_safe(self) -> torch.Tensor:
+        """``json_safe_words`` for this vocabulary (computed once, on a compile thread)."""
+        if self._json_safe is None:
+            self._json_safe = json_safe_words(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._json_safe
+
     def matcher(self, compiled: Any) -> GrammarMatcher:
         if isinstance(compiled, _ByLLGuidance):
             return self.llguidance().matcher(compiled.grammar)
+        if isinstance(compiled, _Json):
+            return XGrammarMatcher(self._xgr.GrammarMatcher(compiled.grammar), compiled.safe)
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
     def fill_vocab_masks(self, matchers, mask, rows) -> None:
@@ -102,6 +144,13 @@ class XGrammarBackend(GrammarBackend):
             if batch is None:
                 batch = self._batch[threads] = self._xgr.BatchGrammarMatcher(threads)
             batch.batch_fill_next_token_bitmask([m for m, _ in mine], mask, [r for _, r in mine])
+            safe = [
+                r
+                for m, r in zip(matchers, rows, strict=True)
+                if type(m) is XGrammarMatcher and m.safe is not None
+            ]
+            if safe:
+                mask[safe] &= self.json_safe()
         for m, row in zip(matchers, rows, strict=True):
             if len(mine) <= 1 or type(m) is not XGrammarMatcher:
                 m.fill_vocab_mask(mask, row)
@@ -111,6 +160,14 @@ class XGrammarBackend(GrammarBackend):
 
     def apply_vocab_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size)
+
+
+class _Json:
+    """A JSON schema compiled by XGrammar, and the ``json_safe_words`` its masks keep to."""
+
+    def __init__(self, grammar: Any, safe: torch.Tensor) -> None:
+        self.grammar = grammar
+        self.safe = safe
 
 
 class _ByLLGuidance:
