@@ -101,8 +101,8 @@ def main() -> int:
                     stopped += 1
                     try:
                         err = next(checks[k // 3].iter_errors(json.loads(o["text"])), None)
-                    except ValueError as e:
-                        err = e
+                    except ValueError as exc:
+                        err = exc
                     valid += err is None
                     if err is not None:
                         why = getattr(err, "message", None) or str(err)
