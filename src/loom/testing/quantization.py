@@ -8,8 +8,16 @@ import torch
 from loom import plugins
 
 
-def check_quantization(name: str, model_path: str, rtol: float = 0.02, min_layers: int = 1) -> int:
-    """Build ``model_path`` dense and with ``--quantization name`` (fp32, CPU) and check:
+def check_quantization(
+    name: str,
+    model_path: str,
+    rtol: float = 0.02,
+    min_layers: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> int:
+    """Build ``model_path`` dense and with ``--quantization name`` (on ``device`` in ``dtype``)
+    and check:
     at least ``min_layers`` linear layers took the member's method; each one's dense ``weight``
     is gone (the method's own parameters replaced it); on random inputs of 1 and 7 tokens (and
     a 3-D batch) its output has the input's dtype and shape and is within ``rtol`` of the
@@ -19,7 +27,9 @@ def check_quantization(name: str, model_path: str, rtol: float = 0.02, min_layer
     from loom.model_executor.model_runner import ModelRunner
 
     assert name in plugins.names("quantization"), f"{name!r} is not a registered quantization"
-    kw = dict(model=model_path, dtype="float32", device="cpu", max_total_tokens=256)
+    kw = dict(
+        model=model_path, dtype=dtype, device=device, max_total_tokens=256, disable_cuda_graph=True
+    )
     dense = dict(ModelRunner(ServerArgs(**kw)).model.named_modules())
     quantized = ModelRunner(ServerArgs(quantization=name, **kw)).model
     gen = torch.Generator().manual_seed(0)
@@ -33,7 +43,9 @@ def check_quantization(name: str, model_path: str, rtol: float = 0.02, min_layer
         )
         in_features = ref.weight.shape[1]
         for shape in ((1, in_features), (7, in_features), (2, 3, in_features)):
-            x = torch.randn(*shape, generator=gen)
+            x = torch.randn(*shape, generator=gen).to(
+                device=ref.weight.device, dtype=ref.weight.dtype
+            )
             with torch.inference_mode():
                 got, want = layer(x), ref(x)
             assert got.dtype == x.dtype and got.shape == want.shape, (
