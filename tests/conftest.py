@@ -134,3 +134,15 @@ def save_tiny_llama(path, seed: int = 0, **overrides) -> str:
 
 def chat_ids(engine, prompt: str) -> list[int]:
     return engine.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def hf_top1_agreement(hf_model, prompts: list[list[int]], outs: list[list[int]]) -> tuple[int, int]:
+    """How many of ``outs``' tokens (each prompt's greedy answer) are HF's argmax given the same
+    prefix (teacher-forced on ``outs``), and how many there are."""
+    same = total = 0
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs, strict=True):
+            logits = hf_model(input_ids=torch.tensor([p + o])).logits[0, len(p) - 1 : -1]
+            same += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), o, strict=True))
+            total += len(o)
+    return same, total

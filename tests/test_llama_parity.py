@@ -8,7 +8,7 @@ import torch
 from loom.config import ServerArgs
 from loom.model_executor.model_runner import ModelRunner
 from loom.scheduler.cache import CacheManager
-from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.conftest import CHAT_PROMPTS, chat_ids, hf_top1_agreement
 
 PROMPTS = [
     "The quick brown fox",
@@ -134,10 +134,5 @@ def test_fp8_kv_cache_keeps_hf_top1(engine, hf_model, kv_dtype, floor):
     with loom.Engine(max_total_tokens=4096, kv_cache_dtype=kv_dtype) as e:
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         e.scheduler.check_kv_balance()
-    same = total = 0
-    with torch.inference_mode():
-        for p, o in zip(prompts, outs, strict=True):
-            logits = hf_model(input_ids=torch.tensor([p + o])).logits[0, len(p) - 1 : -1]
-            same += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), o, strict=True))
-            total += len(o)
+    same, total = hf_top1_agreement(hf_model, prompts, outs)
     assert same / total >= floor, (kv_dtype, same, total)

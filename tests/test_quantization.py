@@ -15,7 +15,7 @@ from loom import plugins
 from loom.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from loom.layers.quantization.gguf import GROUP, GGUFLinearMethod, unpack_blocks
 from loom.testing import check_quantization
-from tests.conftest import CHAT_PROMPTS, chat_ids, save_tiny_llama
+from tests.conftest import CHAT_PROMPTS, chat_ids, hf_top1_agreement, save_tiny_llama
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -77,12 +77,7 @@ def test_default_model_kept_in_blocks_keeps_hf_top1(hf_model, engine):
         assert all(m.weight is None for m in packed)
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         e.scheduler.check_kv_balance()
-    same = total = 0
-    with torch.inference_mode():
-        for p, o in zip(prompts, outs, strict=True):
-            logits = hf_model(input_ids=torch.tensor([p + o])).logits[0, len(p) - 1 : -1]
-            same += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), o, strict=True))
-            total += len(o)
+    same, total = hf_top1_agreement(hf_model, prompts, outs)
     assert same / total >= 0.95, (same, total)
 
 
@@ -130,11 +125,5 @@ def test_fp8_model_keeps_hf_top1(hf_model, hf_ref_dir, engine):
         )
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         e.scheduler.check_kv_balance()
-    same = total = 0
-    with torch.inference_mode():
-        for p, o in zip(prompts, outs, strict=True):
-            logits = hf_model(input_ids=torch.tensor([p + o])).logits[0, len(p) - 1 : -1]
-            same += sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), o, strict=True))
-            total += len(o)
-    print(f"fp8 top-1 agreement {same}/{total}")
+    same, total = hf_top1_agreement(hf_model, prompts, outs)
     assert same / total >= 0.9, (same, total)
