@@ -292,7 +292,7 @@ def test_gemma3_states_its_scaled_length():
 
 def test_context_length_past_the_models_is_refused(tmp_path):
     from loom.config.server_args import ServerArgs
-    from loom.model_executor.model_runner import model_config_for
+    from loom.model_executor.weights import model_config_for
     from tests.conftest import save_tiny_llama
 
     path = save_tiny_llama(tmp_path / "m", max_position_embeddings=512)

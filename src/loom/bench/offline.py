@@ -262,7 +262,8 @@ def run_hf(
 def run_offline(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
     from loom.config import ServerArgs
     from loom.engine.engine import Engine
-    from loom.model_executor.model_runner import model_config_for, resolve_device, resolve_dtype
+    from loom.model_executor.model_runner import resolve_device, resolve_dtype
+    from loom.model_executor.weights import model_config_for
 
     if ns.compare_hf and ns.request_lora:
         raise SystemExit("--compare-hf runs HF's base model: leave out --request-lora")

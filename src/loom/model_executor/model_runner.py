@@ -19,10 +19,9 @@ from loom.config import device_defaults
 from loom.distributed import get_tp_size
 from loom.forward_batch import ForwardBatch, ForwardMode
 from loom.layers.attention.base import AttentionBackend, AttentionContext, attention_features
-from loom.layers.rotary import context_length
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader
-from loom.model_loader.model_path import resolve_model_path
+from loom.model_executor.weights import log_load, model_config_for, swap_weights
+from loom.model_loader.base import DeviceConfig
 
 if TYPE_CHECKING:
     from loom.config import ServerArgs
@@ -58,67 +57,6 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def model_config_for(
-    args: ServerArgs, dtype: torch.dtype, loader=None
-) -> tuple[ModelLoader, ModelConfig]:
-    """The loader (``args.load_format``'s unless given) and the model's config as the runner
-    builds the model from them."""
-    if loader is None:
-        loader = plugins.resolve("model_loader", args.load_format)()
-    path = resolve_model_path(args.model)
-    hf_config = loader.load_hf_config(path)
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs:
-        raise ValueError(f"the model config at {path} names no `architectures`")
-    model_context = context_length(hf_config)
-    if args.context_length is not None and args.context_length > model_context:
-        raise ValueError(
-            f"--context-length {args.context_length} is longer than the model's "
-            f"{model_context} (max_position_embeddings with its rope scaling): positions past "
-            "it were never trained and have no rotary table"
-        )
-    quant_config = None
-    if args.quantization is not None:
-        cls = plugins.resolve("quantization", args.quantization)
-        quant_config = cls.from_model(path, hf_config)
-    return loader, ModelConfig(
-        path=path,
-        hf_config=hf_config,
-        dtype=dtype,
-        context_len=args.context_length or model_context,
-        architecture=archs[0],
-        seed=args.random_seed,
-        model_impl=args.model_impl,
-        quant_config=quant_config,
-    )
-
-
-def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` by name (a quantized layer's packed tensors are
-    buffers), and the tensors modules derive from them when loaded (plain attributes: the
-    LM head's GEMV layout, Gemma's norm scales)."""
-    out = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for prefix, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor):
-                out[f"{prefix}.{attr}" if prefix else attr] = value
-    return out
-
-
-def _log_load(model: torch.nn.Module, device: torch.device, seconds: float) -> None:
-    """One line: load time, the weights' bytes and the peak memory of the load (the device's
-    allocator on CUDA, the process's resident peak on CPU)."""
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    if device.type == "cuda":
-        peak = f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-    else:
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        peak = f"peak process memory {rss / 2**30:.2f} GiB"
-    logger.info("loaded the model in %.1f s: weights %.2f GiB, %s", seconds, weights / 2**30, peak)
-
-
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, loader=None) -> None:
         args = server_args
@@ -133,7 +71,7 @@ class ModelRunner:
         self.vocab_size = self.model_config.hf_config.vocab_size
         start = time.perf_counter()
         self.model = loader.load_model(self.model_config, DeviceConfig(self.device))
-        _log_load(self.model, self.device, time.perf_counter() - start)
+        log_load(self.model, self.device, time.perf_counter() - start)
         self.lora_manager = None
         if args.enable_lora:
             from loom.lora.manager import LoRAManager
@@ -147,39 +85,13 @@ class ModelRunner:
         self.mixed_graph_runner = None
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
-        """Load the checkpoint at ``model_path`` (``load_format``: this runner's when None) into
-        a new model and copy its tensors into this one's in place, so that the CUDA graphs and
-        kernels keep their addresses. Raises ValueError when it cannot (another architecture,
-        a tensor of another name, shape or dtype) with the current weights untouched; the new
-        model is built whole first, so this needs memory for a second copy of the weights."""
+        """Swap in the checkpoint at ``model_path`` (``weights.swap_weights``); raises
+        ValueError with the current weights untouched when it cannot."""
         args = self.args.replace(model=model_path, load_format=load_format or self.args.load_format)
-        loader, config = model_config_for(args, self.dtype)
-        if config.architecture != self.model_config.architecture:
-            raise ValueError(
-                f"{model_path} is a {config.architecture}, this server runs a "
-                f"{self.model_config.architecture}"
-            )
-        start = time.perf_counter()
-        new = loader.load_model(config, DeviceConfig(self.device))
-        old_tensors, new_tensors = _tensors(self.model), _tensors(new)
-        if old_tensors.keys() != new_tensors.keys():
-            diff = sorted(old_tensors.keys() ^ new_tensors.keys())
-            raise ValueError(
-                f"{model_path}: its model's tensors differ from this one's: {diff[:4]}"
-            )
-        for name, old in old_tensors.items():
-            t = new_tensors[name]
-            if t.shape != old.shape or t.dtype != old.dtype:
-                raise ValueError(
-                    f"{model_path}: {name} is {t.dtype} {tuple(t.shape)}, this model's "
-                    f"{old.dtype} {tuple(old.shape)}"
-                )
-        with torch.inference_mode():
-            for name, old in old_tensors.items():
-                old.copy_(new_tensors[name])
-        del new, new_tensors
-        self.loader, self.model_config, self.model_path = loader, config, config.path
-        logger.info("weights updated from %s in %.1f s", model_path, time.perf_counter() - start)
+        self.loader, self.model_config = swap_weights(
+            self.model, self.model_config, args, self.dtype, self.device
+        )
+        self.model_path = self.model_config.path
 
     def bind(self, req_to_token_pool: ReqToTokenPool) -> None:
         """Take the request-to-token table (the cache manager's; the attention kernels read

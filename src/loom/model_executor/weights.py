@@ -1,0 +1,120 @@
+"""The model's weights as the runner holds them: the loader and config a model is built from
+(``model_config_for``), the load's log line, and swapping in another checkpoint in place
+(``swap_weights``, behind ``update_weights_from_disk``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom import plugins
+from loom.layers.rotary import context_length
+from loom.model_loader.base import DeviceConfig, ModelConfig, ModelLoader
+from loom.model_loader.model_path import resolve_model_path
+
+if TYPE_CHECKING:
+    from loom.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def model_config_for(
+    args: ServerArgs, dtype: torch.dtype, loader=None
+) -> tuple[ModelLoader, ModelConfig]:
+    """The loader (``args.load_format``'s unless given) and the model's config as the runner
+    builds the model from them."""
+    if loader is None:
+        loader = plugins.resolve("model_loader", args.load_format)()
+    path = resolve_model_path(args.model)
+    hf_config = loader.load_hf_config(path)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"the model config at {path} names no `architectures`")
+    model_context = context_length(hf_config)
+    if args.context_length is not None and args.context_length > model_context:
+        raise ValueError(
+            f"--context-length {args.context_length} is longer than the model's "
+            f"{model_context} (max_position_embeddings with its rope scaling): positions past "
+            "it were never trained and have no rotary table"
+        )
+    quant_config = None
+    if args.quantization is not None:
+        cls = plugins.resolve("quantization", args.quantization)
+        quant_config = cls.from_model(path, hf_config)
+    return loader, ModelConfig(
+        path=path,
+        hf_config=hf_config,
+        dtype=dtype,
+        context_len=args.context_length or model_context,
+        architecture=archs[0],
+        seed=args.random_seed,
+        model_impl=args.model_impl,
+        quant_config=quant_config,
+    )
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by name (a quantized layer's packed tensors are
+    buffers), and the tensors modules derive from them when loaded (plain attributes: the
+    LM head's GEMV layout, Gemma's norm scales)."""
+    out = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{prefix}.{attr}" if prefix else attr] = value
+    return out
+
+
+def log_load(model: torch.nn.Module, device: torch.device, seconds: float) -> None:
+    """One line: load time, the weights' bytes and the peak memory of the load (the device's
+    allocator on CUDA, the process's resident peak on CPU)."""
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if device.type == "cuda":
+        peak = f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    else:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = f"peak process memory {rss / 2**30:.2f} GiB"
+    logger.info("loaded the model in %.1f s: weights %.2f GiB, %s", seconds, weights / 2**30, peak)
+
+
+def swap_weights(
+    model: torch.nn.Module,
+    current: ModelConfig,
+    args: ServerArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[ModelLoader, ModelConfig]:
+    """Load the checkpoint ``args`` names (its ``model`` and ``load_format``) into a new model
+    and copy its tensors into ``model``'s in place, so that CUDA graphs and kernels keep their
+    addresses; returns the new loader and config. Raises ValueError when it cannot (another
+    architecture, a tensor of another name, shape or dtype) with ``model`` untouched; the new
+    model is built whole first, so this needs memory for a second copy of the weights."""
+    loader, config = model_config_for(args, dtype)
+    path = config.path
+    if config.architecture != current.architecture:
+        raise ValueError(
+            f"{path} is a {config.architecture}, this server runs a {current.architecture}"
+        )
+    start = time.perf_counter()
+    new = loader.load_model(config, DeviceConfig(device))
+    old_tensors, new_tensors = model_tensors(model), model_tensors(new)
+    if old_tensors.keys() != new_tensors.keys():
+        diff = sorted(old_tensors.keys() ^ new_tensors.keys())
+        raise ValueError(f"{path}: its model's tensors differ from this one's: {diff[:4]}")
+    for name, old in old_tensors.items():
+        t = new_tensors[name]
+        if t.shape != old.shape or t.dtype != old.dtype:
+            raise ValueError(
+                f"{path}: {name} is {t.dtype} {tuple(t.shape)}, this model's "
+                f"{old.dtype} {tuple(old.shape)}"
+            )
+    with torch.inference_mode():
+        for name, old in old_tensors.items():
+            old.copy_(new_tensors[name])
+    logger.info("weights updated from %s in %.1f s", path, time.perf_counter() - start)
+    return loader, config
