@@ -127,3 +127,75 @@ def test_fp8_model_keeps_hf_top1(hf_model, hf_ref_dir, engine):
         e.scheduler.check_kv_balance()
     same, total = hf_top1_agreement(hf_model, prompts, outs)
     assert same / total >= 0.9, (same, total)
+
+
+def _fp8_checkpoint(tmp_path, scheme: str) -> tuple[str, str]:
+    """A tiny Llama as an FP8 checkpoint (per-tensor E4M3 ``weight`` and fp32 ``weight_scale``
+    for every projection, ``input_scale`` with the static scheme: AutoFP8's format), and the same
+    weights dequantized as a plain checkpoint (the oracle's)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from loom.layers.quantization.fp8 import FP8, FP8_MAX
+
+    dense = save_tiny_llama(tmp_path / "dense", vocab_size=256, initializer_range=0.2)
+    state = load_file(f"{dense}/model.safetensors")
+    fp8, deq = {}, {}
+    for name, w in state.items():
+        if name.endswith("_proj.weight"):
+            scale = w.abs().max().float() / FP8_MAX
+            q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            fp8[name], fp8[name + "_scale"] = q, scale.reshape(())
+            if scheme == "static":
+                fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+            deq[name] = q.float() * scale
+        else:
+            fp8[name] = deq[name] = w
+    config = json.loads(open(f"{dense}/config.json").read())
+    for kind, tensors in (("fp8", fp8), ("deq", deq)):
+        out = tmp_path / kind
+        out.mkdir()
+        save_file(tensors, out / "model.safetensors")
+        cfg = dict(config)
+        if kind == "fp8":
+            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
+        (out / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path / "fp8"), str(tmp_path / "deq")
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_fp8_checkpoint_is_detected_and_read_as_stored(tmp_path, scheme):
+    """An FP8 checkpoint selects --quantization fp8 by itself; its E4M3 rows and per-part
+    scales give (on the CPU's dequantizing path, fp32) the logits HF computes from the same
+    weights dequantized, over extend and decode."""
+    from transformers import AutoModelForCausalLM
+
+    from loom.config import ServerArgs
+    from tests.test_llama_parity import _loom_logits, bound_runner
+
+    fp8_dir, deq_dir = _fp8_checkpoint(tmp_path, scheme)
+    runner, cache = bound_runner(ServerArgs(model=fp8_dir, max_total_tokens=1024))
+    assert runner.model_config.quant_config.name == "fp8"
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.weight_fp8.dtype == torch.float8_e4m3fn
+    # q, k and v keep their own scales, row by row
+    assert len(set(qkv.weight_scale.tolist())) == 3
+    hf = AutoModelForCausalLM.from_pretrained(deq_dir).eval()
+    ids = torch.randint(0, 256, (40,)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    for split in (None, len(ids) - 1, 25):
+        got = _loom_logits((runner, cache), ids, split)
+        assert (got - ref).abs().max().item() < 1e-4, split
+
+
+def test_a_checkpoint_quantized_another_way_is_refused_by_name(tmp_path):
+    import json
+
+    path = save_tiny_llama(tmp_path / "awq", vocab_size=256)
+    cfg = json.loads(open(f"{path}/config.json").read())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    open(f"{path}/config.json", "w").write(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized with 'awq', which Loom does not read"):
+        loom.Engine(model=path, skip_tokenizer_init=True, max_total_tokens=256)

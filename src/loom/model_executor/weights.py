@@ -41,8 +41,9 @@ def model_config_for(
             "it were never trained and have no rotary table"
         )
     quant_config = None
-    if args.quantization is not None:
-        cls = plugins.resolve("quantization", args.quantization)
+    name = args.quantization or checkpoint_quantization(path, hf_config)
+    if name is not None:
+        cls = plugins.resolve("quantization", name)
         quant_config = cls.from_model(path, hf_config)
     return loader, ModelConfig(
         path=path,
@@ -53,6 +54,24 @@ def model_config_for(
         seed=args.random_seed,
         model_impl=args.model_impl,
         quant_config=quant_config,
+    )
+
+
+def checkpoint_quantization(path: str, hf_config) -> str | None:
+    """The ``--quantization`` a checkpoint's own ``quantization_config`` names (its
+    ``quant_method``, when a registered member of that name reads it); a method Loom does not
+    read is refused by name rather than loaded as dense weights. GGUF files (transformers
+    records their block types there) load dequantized unless ``--quantization gguf`` asks."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc or path.endswith(".gguf"):
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method in plugins.names("quantization"):
+        return method
+    raise ValueError(
+        f"{path} is quantized with {method!r}, which Loom does not read (--quantization: "
+        f"{', '.join(plugins.names('quantization'))})"
     )
 
 

@@ -1,5 +1,11 @@
-"""``--quantization fp8``: linear weights in FP8 E4M3 with one scale per output channel,
-quantized when the model loads (from a bf16 / fp32 checkpoint), half the bytes of bf16.
+"""``--quantization fp8``: linear weights in FP8 E4M3 with one scale per output channel, half
+the bytes of bf16: quantized when the model loads from a bf16 / fp32 checkpoint, or read from an
+FP8 checkpoint (``quantization_config.quant_method`` "fp8", the format AutoFP8 and llm-compressor
+write for vLLM and SGLang: E4M3 ``weight`` and a per-tensor fp32 ``weight_scale`` per checkpoint
+tensor, and with ``activation_scheme`` "static" an ``input_scale``), which selects this method
+by itself. A packed layer's parts (q / k / v, gate / up) keep their own scales as its rows'
+scales. Activations are always scaled per token (a static ``input_scale`` is loaded and not
+used). Block-wise scales (``weight_block_size``) are refused.
 
 On GPUs with FP8 tensor cores (compute capability 8.9+: Ada, Hopper) the matmul is
 ``torch._scaled_mm`` on FP8 inputs: each token's activations are scaled to E4M3 by their own
@@ -70,22 +76,104 @@ class Fp8LinearMethod(LinearMethod):
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
+def shard_rows(layer: nn.Module) -> list[tuple[Any, int, int]]:
+    """A layer's checkpoint parts as (shard id, first row, rows) in its weight."""
+    sizes = getattr(layer, "output_sizes", None)
+    if hasattr(layer, "q_size"):  # QKVParallelLinear
+        q, kv = layer.q_size, layer.kv_size
+        return [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
+    if sizes is not None:  # MergedColumnParallelLinear
+        rows, out = [], 0
+        for i, size in enumerate(sizes):
+            size //= layer.tp_size
+            rows.append((i, out, size))
+            out += size
+        return rows
+    return [(None, 0, layer.weight.shape[0])]
+
+
+class Fp8CheckpointLinearMethod(Fp8LinearMethod):
+    """A layer of an FP8 checkpoint: E4M3 rows loaded as they are, one scale per part."""
+
+    def __init__(self, static_input: bool) -> None:
+        self.static_input = static_input
+
+    def create_weights(self, layer: nn.Module) -> None:
+        device = layer.weight.device
+        weight = nn.Parameter(
+            torch.empty(layer.weight.shape, dtype=FP8, device=device), requires_grad=False
+        )
+        weight.weight_loader = layer.weight_loader
+        layer.weight = weight
+        parts = shard_rows(layer)
+        layer.fp8_parts = parts
+        names = ["weight_scale"] + (["input_scale"] if self.static_input else [])
+        for name in names:
+            scale = nn.Parameter(
+                torch.ones(len(parts), dtype=torch.float32, device=device), requires_grad=False
+            )
+            scale.weight_loader = self._scale_loader(parts, name)
+            layer.register_parameter(name, scale)
+
+    @staticmethod
+    def _scale_loader(parts, name: str):
+        ids = [sid for sid, _, _ in parts]
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            if loaded.numel() != 1:
+                raise ValueError(
+                    f"{name} of {loaded.numel()} values: only per-tensor FP8 checkpoint scales "
+                    "are read"
+                )
+            if shard_id is None:  # one tensor for the whole layer
+                param.data.fill_(float(loaded.reshape(())))
+            else:
+                param.data[ids.index(shard_id)] = loaded.reshape(())
+
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scales = layer.weight_scale.data
+        rows = torch.cat([scales[i].expand(n) for i, (_, _, n) in enumerate(layer.fp8_parts)])
+        q = layer.weight.data
+        for name in ("weight", "weight_scale", "input_scale"):
+            if name in layer._parameters:
+                del layer._parameters[name]
+        layer.register_parameter("weight", None)
+        layer.register_buffer("weight_fp8", q, persistent=False)
+        layer.register_buffer("weight_scale", rows.contiguous(), persistent=False)
+        layer.fp8_matmul = fp8_matmul_supported(q.device)
+
+
 class Fp8Quantization(QuantizationConfig):
     """Every linear layer (attention and MLP projections) in FP8; embeddings, the LM head,
-    norms and MoE experts stay in the model's dtype."""
+    norms and MoE experts stay in the model's dtype. ``checkpoint``: the checkpoint's
+    ``quantization_config`` when it is already FP8 (None: quantize at load)."""
 
     name = "fp8"
+
+    def __init__(self, checkpoint: dict | None = None) -> None:
+        self.checkpoint = checkpoint
 
     @classmethod
     def from_model(cls, model_path: str, hf_config: Any) -> Fp8Quantization:
         qc = getattr(hf_config, "quantization_config", None)
-        if qc:
-            method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if not qc:
+            return cls()
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        if qc.get("quant_method") != "fp8":
             raise ValueError(
-                f"--quantization fp8 quantizes a bf16 / fp32 checkpoint when it loads; "
-                f"{model_path} is already quantized ({method or qc!r})"
+                f"--quantization fp8 reads FP8 checkpoints or quantizes bf16 / fp32 ones; "
+                f"{model_path} is quantized with {qc.get('quant_method')!r}"
             )
-        return cls()
+        if qc.get("weight_block_size"):
+            raise ValueError(
+                f"{model_path}: block-wise FP8 scales (weight_block_size "
+                f"{qc['weight_block_size']}) are not read; per-tensor scales are"
+            )
+        return cls(qc)
 
     def linear_method(self, prefix: str, sources: list[str]) -> LinearMethod | None:
-        return Fp8LinearMethod()
+        if self.checkpoint is None:
+            return Fp8LinearMethod()
+        return Fp8CheckpointLinearMethod(self.checkpoint.get("activation_scheme") == "static")
