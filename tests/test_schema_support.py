@@ -314,3 +314,30 @@ def test_no_raw_control_character_inside_a_string_whatever_the_tokenizers_decode
     specials = [i for i, t in tok.added_tokens_decoder.items() if t.special]
     specials = [i for i in {*specials, *tok.all_special_ids} if i not in engine.eos_token_ids]
     assert specials and not any(allowed(i) for i in specials)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_format_date_is_a_calendar_date(engine, backends, name):
+    """``format: date`` takes only days that exist (each month's length, leap years), as
+    jsonschema's format checker does; by themselves the libraries check its shape only."""
+    schema = {
+        "type": "object",
+        "properties": {"d": {"type": "string", "format": "date"}},
+        "required": ["d"],
+    }
+    check = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    for day in (
+        "2024-02-29",
+        "2000-02-29",
+        "2023-06-30",
+        "0001-01-01",
+        "2023-06-31",
+        "2023-02-29",
+        "1900-02-29",
+        "0000-01-01",
+        "2023-13-01",
+    ):
+        instance = {"d": day}
+        assert _accepts(backends[name], engine, schema, instance) == check.is_valid(instance), day

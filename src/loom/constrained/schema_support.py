@@ -107,15 +107,45 @@ def schema_gaps(schema: Any, backend: str) -> list[Gap]:
     return gaps
 
 
+_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_MONTH_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_LEAP_DAY = (
+    "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29"
+)
+# RFC 3339 full-date with each month's length and leap years (years 0001-9999, as Python's
+# date and so jsonschema's format checker take them)
+DATE_PATTERN = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_DAY})$"
+
+
+def calendar_dates(node: Any) -> Any:
+    """``node`` with every ``format: date`` string that has no ``pattern`` given
+    ``DATE_PATTERN`` instead: both grammar libraries check the format by its shape only
+    (XGrammar took ``2023-06-31``, llguidance ``2023-02-29``)."""
+    if isinstance(node, list):
+        return [calendar_dates(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: calendar_dates(v) for k, v in node.items()}
+    if out.get("format") == "date" and "pattern" not in out and out.get("type") == "string":
+        del out["format"]
+        out["pattern"] = DATE_PATTERN
+    return out
+
+
 def check_schema(text: str, backend: str) -> tuple[Any, list[Gap]]:
-    """The parsed schema and its gaps for ``backend``; a GrammarError (a 400) for text that is
-    not JSON, or for the first gap that no backend here would enforce."""
+    """The parsed schema (``calendar_dates`` applied) and its gaps for ``backend``; a
+    GrammarError (a 400) for text that is not JSON, or for the first gap that no backend here
+    would enforce."""
     import json
 
     from loom.constrained.base import GrammarError
 
     try:
-        schema = json.loads(text)
+        schema = calendar_dates(json.loads(text))
     except ValueError as e:
         raise GrammarError(f"json_schema is not valid JSON: {e}") from e
     gaps = schema_gaps(schema, backend)

@@ -18,6 +18,7 @@ also cleared of them (``json_safe_words``: one AND per row).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -90,8 +91,11 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, kind: str, text: str) -> Any:
         c = self.compiler
-        if kind == "json_schema" and check_schema(text, "xgrammar")[1]:
-            return _ByLLGuidance(self.llguidance().compile(kind, text))
+        if kind == "json_schema":
+            schema, gaps = check_schema(text, "xgrammar")
+            if gaps:
+                return _ByLLGuidance(self.llguidance().compile(kind, text))
+            text = json.dumps(schema)
         if kind == "structural_tag":
             check_tag_schemas(text)
         try:
