@@ -124,7 +124,7 @@ DATE_PATTERN = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_DAY})$"
 def calendar_dates(node: Any) -> Any:
     """``node`` with every ``format: date`` string that has no ``pattern`` given
     ``DATE_PATTERN`` instead: both grammar libraries check the format by its shape only
-    (XGrammar took ``2023-06-31``, llguidance ``2023-02-29``)."""
+    (XGrammar 0.2.9 takes ``2023-06-31``, llguidance 1.9 ``2023-02-29``)."""
     if isinstance(node, list):
         return [calendar_dates(v) for v in node]
     if not isinstance(node, dict):

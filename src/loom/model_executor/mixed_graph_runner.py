@@ -1,10 +1,10 @@
 """Whole CUDA graphs for mixed steps (``--enable-mixed-chunk``): a prefill chunk and the running
 requests' decode rows in one forward, attention included.
 
-A mixed step as piecewise graphs runs each layer's attention eagerly between the graphs: on the
-H200, SmolLM2's mixed step (128 prompt tokens and ~64 decoding rows) took 10.8 ms against 1.6 ms
-for a decode step, almost all of it host launches, and a serving stream's inter-token gap is that
-step whenever a prompt arrives. Attention can be captured too once its metadata has fixed shapes:
+A mixed step as piecewise graphs runs each layer's attention eagerly between the graphs, and a
+serving stream's inter-token gap is that step whenever a prompt arrives. On the H200 (serving
+SmolLM2 under Poisson arrivals, docs/benchmarks.md) such a step costs 10.8 ms at its median
+against 1.6 ms for a decode step, almost all of it host launches; as one graph, 1.9 ms. Attention can be captured too once its metadata has fixed shapes:
 each graph is keyed by (P, D), a prompt-token bucket and a decode-row bucket, and lays the step
 out as
 
