@@ -1,4 +1,5 @@
-"""Resolving ``--model``: packaged model names, local directories and files. Never a hub."""
+"""Resolving ``--model``: packaged model names, local directories and files, and URLs (copied
+into the cache, ``remote.py``). Never a hub."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
 
 def resolve_model_path(model: str) -> str:
     """Return a local path for ``model`` or raise FileNotFoundError saying how to get it."""
+    from loom.model_loader.remote import fetch_model, is_url
+
+    if is_url(model):
+        return fetch_model(model)
     key = model.lower()
     if key in PACKAGED_MODELS:
         dist, module, filename = PACKAGED_MODELS[key]
