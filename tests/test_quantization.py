@@ -94,6 +94,10 @@ def test_conformance_kit(name, smol_gguf, tmp_path):
     if name == "gguf":
         assert check_quantization(name, smol_gguf, min_layers=4 * 30) == 4 * 30
         return
+    if name == "modelopt":  # an export, against its weights dequantized (layer 1's MLP: dense)
+        export, deq = _modelopt_export(tmp_path)
+        assert check_quantization(name, export, rtol=1e-4, min_layers=6, reference_path=deq) == 6
+        return
     path = save_tiny_llama(tmp_path / "tiny", vocab_size=256, initializer_range=0.2)
     assert check_quantization(name, path, rtol=0.08, min_layers=4) >= 4
 
@@ -199,3 +203,85 @@ def test_a_checkpoint_quantized_another_way_is_refused_by_name(tmp_path):
     open(f"{path}/config.json", "w").write(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantized with 'awq', which Loom does not read"):
         loom.Engine(model=path, skip_tokenizer_init=True, max_total_tokens=256)
+
+
+def _modelopt_export(tmp_path) -> tuple[str, str]:
+    """A tiny Llama as a ModelOpt FP8 export (hf_quant_config.json; E4M3 weights with per-tensor
+    weight and input scales; KV scales on k_proj / v_proj; the second layer's MLP excluded, so
+    stored dense), and the same weights dequantized as a plain checkpoint."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from loom.layers.quantization.fp8 import FP8, FP8_MAX
+
+    dense = save_tiny_llama(tmp_path / "dense", vocab_size=256, initializer_range=0.2)
+    state = load_file(f"{dense}/model.safetensors")
+    export, deq = {}, {}
+    for name, w in state.items():
+        if name.endswith("_proj.weight") and ".layers.1.mlp." not in name:
+            scale = w.abs().max().float() / FP8_MAX
+            q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            stem = name.removesuffix("weight")
+            export[name], export[stem + "weight_scale"] = q, scale.reshape(())
+            export[stem + "input_scale"] = torch.tensor(0.02)
+            deq[name] = q.float() * scale
+        else:
+            export[name] = deq[name] = w
+        if name.endswith("k_proj.weight") or name.endswith("v_proj.weight"):
+            kv = "k_scale" if ".k_proj." in name else "v_scale"
+            export[name.removesuffix("weight") + kv] = torch.tensor(1.0)
+    config = open(f"{dense}/config.json").read()
+    for kind, tensors in (("export", export), ("deq", deq)):
+        (tmp_path / kind).mkdir()
+        save_file(tensors, tmp_path / kind / "model.safetensors")
+        (tmp_path / kind / "config.json").write_text(config)
+    (tmp_path / "export" / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt", "version": "0.27.0"},
+                "quantization": {
+                    "quant_algo": "FP8",
+                    "kv_cache_quant_algo": "FP8",
+                    "exclude_modules": ["lm_head", "model.layers.1.mlp*"],
+                },
+            }
+        )
+    )
+    return str(tmp_path / "export"), str(tmp_path / "deq")
+
+
+def test_modelopt_fp8_export_is_detected_and_read(tmp_path):
+    """A ModelOpt FP8 export is read as ``modelopt`` by itself (excluded modules dense, KV
+    scales loaded) and gives HF's logits on the same weights dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    from loom.config import ServerArgs
+    from tests.test_llama_parity import _loom_logits, bound_runner
+
+    export, deq = _modelopt_export(tmp_path)
+    runner, cache = bound_runner(ServerArgs(model=export, max_total_tokens=1024))
+    assert runner.model_config.quant_config.name == "modelopt"
+    layers = runner.model.model.layers
+    assert layers[0].mlp.down_proj.quant_method is not None
+    assert layers[1].mlp.down_proj.quant_method is None  # excluded: dense
+    assert float(layers[0].self_attn.qkv_proj.k_scale) == 1.0
+    hf = AutoModelForCausalLM.from_pretrained(deq).eval()
+    ids = torch.randint(0, 256, (40,)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    for split in (None, len(ids) - 1):
+        got = _loom_logits((runner, cache), ids, split)
+        assert (got - ref).abs().max().item() < 1e-4, split
+
+
+def test_modelopt_refuses_other_algorithms(tmp_path):
+    import json
+
+    export, _ = _modelopt_export(tmp_path)
+    path = f"{export}/hf_quant_config.json"
+    cfg = json.loads(open(path).read())
+    cfg["quantization"]["quant_algo"] = "NVFP4"
+    open(path, "w").write(json.dumps(cfg))
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not read"):
+        loom.Engine(model=export, skip_tokenizer_init=True, max_total_tokens=256)

@@ -38,6 +38,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "quantization": {
         "fp8": "loom.layers.quantization.fp8:Fp8Quantization",
         "gguf": "loom.layers.quantization.gguf:GGUFQuantization",
+        "modelopt": "loom.layers.quantization.modelopt:ModelOptQuantization",
     },
     "radix_eviction_policy": {
         "lru": "loom.mem_cache.eviction:LRUPolicy",

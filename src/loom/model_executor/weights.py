@@ -59,9 +59,14 @@ def model_config_for(
 
 def checkpoint_quantization(path: str, hf_config) -> str | None:
     """The ``--quantization`` a checkpoint's own ``quantization_config`` names (its
-    ``quant_method``, when a registered member of that name reads it); a method Loom does not
+    ``quant_method``, when a registered member of that name reads it; a ModelOpt export's
+    ``hf_quant_config.json``: ``modelopt``); a method Loom does not
     read is refused by name rather than loaded as dense weights. GGUF files (transformers
     records their block types there) load dequantized unless ``--quantization gguf`` asks."""
+    from loom.layers.quantization.modelopt import is_modelopt
+
+    if is_modelopt(path, hf_config):
+        return "modelopt"
     qc = getattr(hf_config, "quantization_config", None)
     if not qc or path.endswith(".gguf"):
         return None

@@ -15,9 +15,11 @@ def check_quantization(
     min_layers: int = 1,
     device: str = "cpu",
     dtype: str = "float32",
+    reference_path: str | None = None,
 ) -> int:
-    """Build ``model_path`` dense and with ``--quantization name`` (on ``device`` in ``dtype``)
-    and check:
+    """Build ``model_path`` with ``--quantization name`` and, dense, ``reference_path`` (default
+    ``model_path``; for a checkpoint that is stored quantized, the same weights dequantized), on
+    ``device`` in ``dtype``, and check:
     at least ``min_layers`` linear layers took the member's method; each one's dense ``weight``
     is gone (the method's own parameters replaced it); on random inputs of 1 and 7 tokens (and
     a 3-D batch) its output has the input's dtype and shape and is within ``rtol`` of the
@@ -27,11 +29,10 @@ def check_quantization(
     from loom.model_executor.model_runner import ModelRunner
 
     assert name in plugins.names("quantization"), f"{name!r} is not a registered quantization"
-    kw = dict(
-        model=model_path, dtype=dtype, device=device, max_total_tokens=256, disable_cuda_graph=True
-    )
-    dense = dict(ModelRunner(ServerArgs(**kw)).model.named_modules())
-    quantized = ModelRunner(ServerArgs(quantization=name, **kw)).model
+    kw = dict(dtype=dtype, device=device, max_total_tokens=256, disable_cuda_graph=True)
+    dense_args = ServerArgs(model=reference_path or model_path, **kw)
+    dense = dict(ModelRunner(dense_args).model.named_modules())
+    quantized = ModelRunner(ServerArgs(model=model_path, quantization=name, **kw)).model
     gen = torch.Generator().manual_seed(0)
     checked = 0
     for prefix, layer in quantized.named_modules():
