@@ -68,6 +68,17 @@ class GrammarBackend(ABC):
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids or [])
         self.options = options
+        self._token_texts: list[str] | None = None
+
+    def token_texts(self) -> list[str]:
+        """Each token id's text, decoded alone (one decode per id of the tokenizer's
+        vocabulary, ~0.5 s for 49k ids: computed once, on first use, by whichever of its users
+        asks first, all of them on the grammar manager's threads)."""
+        if self._token_texts is None:
+            tok = self.tokenizer
+            n = min(len(tok), self.vocab_size)
+            self._token_texts = [tok.decode([i]) for i in range(n)]
+        return self._token_texts
 
     @abstractmethod
     def compile(self, kind: str, text: str) -> Any: ...

@@ -48,9 +48,8 @@ class BudgetCloser:
         self.by_text: dict[str, list[int]] = {}
         self.single: dict[str, int] = {}
         self.text: list[str] = []  # each id's text ("" for special and partial-character ids)
-        for i in range(min(len(tok), backend.vocab_size)):
-            text = "" if i in special else tok.decode([i])
-            if "\ufffd" in text:
+        for i, text in enumerate(backend.token_texts()):
+            if i in special or "\ufffd" in text:
                 text = ""
             self.text.append(text)
             if not text:

@@ -31,17 +31,19 @@ from loom.constrained.schema_support import check_schema, check_tag_schemas
 _HALF_CPUS = max(1, (os.cpu_count() or 2) // 2)
 
 
-def json_safe_words(tokenizer: Any, vocab_size: int, stop_token_ids) -> torch.Tensor:
+def json_safe_words(
+    tokenizer: Any, texts: list[str], vocab_size: int, stop_token_ids
+) -> torch.Tensor:
     """A bitmask row (int32 words) of the tokens a compact JSON answer may hold: all but the
-    special tokens other than the stop tokens, and tokens whose text has a character below
-    U+0020."""
+    special tokens other than the stop tokens, and tokens whose text (``texts``: each id's,
+    decoded alone) has a character below U+0020."""
     stops = set(stop_token_ids or [])
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     special = {i for i, t in added.items() if getattr(t, "special", False)}
     special |= set(getattr(tokenizer, "all_special_ids", None) or [])
     banned = special - stops
-    for i in range(min(len(tokenizer), vocab_size)):
-        if i not in stops and any(ord(ch) < 32 for ch in tokenizer.decode([i])):
+    for i, text in enumerate(texts):
+        if i not in stops and any(ord(ch) < 32 for ch in text):
             banned.add(i)
     words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
     for i in banned:
@@ -125,7 +127,9 @@ class XGrammarBackend(GrammarBackend):
     def json_safe(self) -> torch.Tensor:
         """``json_safe_words`` for this vocabulary (computed once, on a compile thread)."""
         if self._json_safe is None:
-            self._json_safe = json_safe_words(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self._json_safe = json_safe_words(
+                self.tokenizer, self.token_texts(), self.vocab_size, self.stop_token_ids
+            )
         return self._json_safe
 
     def matcher(self, compiled: Any) -> GrammarMatcher:

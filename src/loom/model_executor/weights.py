@@ -58,22 +58,24 @@ def model_config_for(
 
 
 def checkpoint_quantization(path: str, hf_config) -> str | None:
-    """The ``--quantization`` a checkpoint's own ``quantization_config`` names (its
-    ``quant_method``, when a registered member of that name reads it; a ModelOpt export's
-    ``hf_quant_config.json``: ``modelopt``); a method Loom does not
-    read is refused by name rather than loaded as dense weights. GGUF files (transformers
-    records their block types there) load dequantized unless ``--quantization gguf`` asks."""
-    from loom.layers.quantization.modelopt import is_modelopt
-
-    if is_modelopt(path, hf_config):
-        return "modelopt"
-    qc = getattr(hf_config, "quantization_config", None)
-    if not qc or path.endswith(".gguf"):
+    """The registered ``--quantization`` member whose format the checkpoint is stored in
+    (``QuantizationConfig.detects``: an FP8 checkpoint's ``quantization_config``, a ModelOpt
+    export's ``hf_quant_config.json``), or None for plain weights. A ``quantization_config``
+    no member reads is refused by name rather than loaded as dense weights. GGUF files load
+    dequantized unless ``--quantization gguf`` asks."""
+    if path.endswith(".gguf"):
         return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = qc.get("quant_method")
-    if method in plugins.names("quantization"):
-        return method
+    for name in plugins.names("quantization"):
+        try:
+            cls = plugins.resolve("quantization", name)
+        except plugins.RegistryError:  # a member that cannot import here detects nothing
+            continue
+        if cls.detects(path, hf_config):
+            return name
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    method = (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
     raise ValueError(
         f"{path} is quantized with {method!r}, which Loom does not read (--quantization: "
         f"{', '.join(plugins.names('quantization'))})"

@@ -47,6 +47,12 @@ class QuantizationConfig(ABC):
         """The configuration for the model at ``model_path``; raises ValueError naming what the
         model lacks for this method."""
 
+    @classmethod
+    def detects(cls, model_path: str, hf_config: Any) -> bool:
+        """Whether the checkpoint at ``model_path`` is stored in this member's format, so that
+        it is picked without ``--quantization`` (default: never)."""
+        return False
+
     @abstractmethod
     def linear_method(self, prefix: str, sources: list[str]) -> LinearMethod | None:
         """The method of the linear layer named ``prefix`` (``model.layers.0.mlp.down_proj``)

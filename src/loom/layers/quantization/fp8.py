@@ -37,6 +37,13 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.squeeze(-1)
 
 
+def _quant_method(hf_config: Any) -> str | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+
+
 def fp8_matmul_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 on ``device``."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -154,6 +161,10 @@ class Fp8Quantization(QuantizationConfig):
 
     def __init__(self, checkpoint: dict | None = None) -> None:
         self.checkpoint = checkpoint
+
+    @classmethod
+    def detects(cls, model_path: str, hf_config: Any) -> bool:
+        return _quant_method(hf_config) == "fp8"
 
     @classmethod
     def from_model(cls, model_path: str, hf_config: Any) -> Fp8Quantization:

@@ -51,10 +51,6 @@ def _tensor_names(model_path: str) -> list[str]:
     return names
 
 
-def is_modelopt(model_path: str, hf_config: Any) -> bool:
-    return os.path.isdir(model_path) and _config(model_path, hf_config) is not None
-
-
 class ModelOptQuantization(Fp8Quantization):
     name = "modelopt"
 
@@ -62,6 +58,10 @@ class ModelOptQuantization(Fp8Quantization):
         super().__init__(config)
         self.exclude = list(config.get("exclude_modules") or [])
         self.kv_scale_names = kv_scale_names
+
+    @classmethod
+    def detects(cls, model_path: str, hf_config: Any) -> bool:
+        return os.path.isdir(model_path) and _config(model_path, hf_config) is not None
 
     @classmethod
     def from_model(cls, model_path: str, hf_config: Any) -> ModelOptQuantization:
