@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--sort", default="cumulative", help="cProfile order: cumulative or tottime")
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--sync-debug", action="store_true")
     p.add_argument("flags", nargs="*", help="engine arguments as key=value")
@@ -116,7 +117,7 @@ def main() -> None:
                 f"p99 {1000 * hist_quantile(h, 0.99):.2f} ms"
             )
     if not ns.kernels:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(ns.top)
+        pstats.Stats(prof).sort_stats(ns.sort).print_stats(ns.top)
         return
     by_name = _kernels(kp)
     total = sum(sum(v) for v in by_name.values())

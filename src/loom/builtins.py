@@ -34,6 +34,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "pt": "loom.model_loader.loaders:PtLoader",
         "gguf": "loom.model_loader.gguf_loader:GGUFLoader",
         "dummy": "loom.model_loader.loaders:DummyLoader",
+        "layered": "loom.model_loader.layered:LayeredLoader",
     },
     "quantization": {
         "fp8": "loom.layers.quantization.fp8:Fp8Quantization",

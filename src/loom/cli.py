@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(b)
     b.set_defaults(func=lambda ns: run_structured(ns, _server_kwargs(ns)))
 
+    from loom.bench.load import add_load_args, run_load
+
+    b = bench.add_parser("load", help="load time and peak memory of each --load-format")
+    add_load_args(b)
+    ServerArgs.add_cli_args(b)
+    b.set_defaults(func=lambda ns: run_load(ns, _server_kwargs(ns)))
+
     from loom.bench.serving import add_serving_args, run_serving
 
     b = bench.add_parser("serving", help="send HTTP streaming requests to a running server")

@@ -12,6 +12,18 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+def live(model: nn.Module, params: dict[str, nn.Parameter], name: str) -> nn.Parameter | None:
+    """``params[name]``, or the module's current parameter of that name when the one in
+    ``params`` was on the meta device and has since been given storage (``--load-format
+    layered`` materialises a layer's parameters while its checkpoint tensors stream in). The
+    current one is not kept in ``params``: a layer quantized after loading frees its dense
+    weight, which a reference here would keep alive."""
+    param = params.get(name)
+    if param is not None and param.is_meta:
+        param = model.get_parameter(name)
+    return param
+
+
 def load_packed_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -40,7 +52,7 @@ def load_packed_weights(
             ((name.replace(part, fused), sid) for part, fused, sid in parts if part in name),
             (name, None),
         )
-        param = params.get(target)
+        param = live(model, params, target)
         if param is None:
             raise KeyError(
                 f"checkpoint tensor {name!r} has no parameter {target!r} in {type(model).__name__}"

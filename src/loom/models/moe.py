@@ -11,6 +11,7 @@ from torch import nn
 
 from loom.layers.linear import ReplicatedLinear
 from loom.layers.moe import FusedMoE, TopKRouting
+from loom.model_loader.weight_utils import live
 from loom.models.decoder import DecoderForCausalLM, GatedMLP
 
 
@@ -69,7 +70,7 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
                 yield name, tensor
                 continue
             param_name, expert_id, shard_id = hit
-            param = params[param_name]
+            param = live(self, params, param_name)
             param.weight_loader(
                 param, tensor.to(param.dtype), shard_id=shard_id, expert_id=expert_id
             )

@@ -30,11 +30,19 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``[rows, cols]`` as FP8 E4M3 and each row's fp32 scale (``w ~ q * scale``)."""
-    amax = w.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    scale = amax / FP8_MAX
-    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale.squeeze(-1)
+    """``w`` ``[rows, cols]`` as FP8 E4M3 and each row's fp32 scale (``w ~ q * scale``).
+    Rows are converted in chunks of about 1M values, so the fp32 working copy of a large
+    weight never exists whole (the layered loader's peak is the final weights plus a layer)."""
+    w = w.detach()
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    step = max(1, (1 << 20) // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        chunk = w[start : start + step].to(torch.float32, copy=True)
+        s = (chunk.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)) / FP8_MAX
+        q[start : start + step] = chunk.div_(s).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[start : start + step] = s.squeeze(-1)
+    return q, scale
 
 
 def _quant_method(hf_config: Any) -> str | None:
