@@ -99,6 +99,13 @@ def test_conformance_kit(name, smol_gguf, tmp_path):
         assert check_quantization(name, export, rtol=1e-4, min_layers=6, reference_path=deq) == 6
         return
     path = save_tiny_llama(tmp_path / "tiny", vocab_size=256, initializer_range=0.2)
+    if name == "bitsandbytes":
+        # NF4: 16 levels per block of 64 weights, a weight off by up to half the gap around it
+        # (0.04 to 0.15 of the block's absmax): outputs off by ~9% of their rms, the largest
+        # error reaching 0.13 of the largest output (measured over 4 seeds)
+        pytest.importorskip("bitsandbytes")
+        assert check_quantization(name, path, rtol=0.15, min_layers=4) >= 4
+        return
     assert check_quantization(name, path, rtol=0.08, min_layers=4) >= 4
 
 

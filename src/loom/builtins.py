@@ -31,6 +31,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "model_loader": {
         "auto": "loom.model_loader.loaders:AutoLoader",
         "safetensors": "loom.model_loader.loaders:SafetensorsLoader",
+        "bitsandbytes": "loom.model_loader.loaders:BitsAndBytesLoader",
         "pt": "loom.model_loader.loaders:PtLoader",
         "gguf": "loom.model_loader.gguf_loader:GGUFLoader",
         "dummy": "loom.model_loader.loaders:DummyLoader",
@@ -40,6 +41,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "fp8": "loom.layers.quantization.fp8:Fp8Quantization",
         "gguf": "loom.layers.quantization.gguf:GGUFQuantization",
         "modelopt": "loom.layers.quantization.modelopt:ModelOptQuantization",
+        "bitsandbytes": "loom.layers.quantization.bitsandbytes:BitsAndBytesQuantization",
     },
     "radix_eviction_policy": {
         "lru": "loom.mem_cache.eviction:LRUPolicy",
@@ -87,6 +89,8 @@ BUILTINS: dict[str, dict[str, str]] = {
 REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model_loader", "gguf"): ("gguf",),
     ("quantization", "gguf"): ("gguf",),
+    ("quantization", "bitsandbytes"): ("bitsandbytes",),
+    ("model_loader", "bitsandbytes"): ("bitsandbytes",),
     ("attention_backend", "triton"): ("triton",),
     ("attention_backend", "flash_attention"): ("triton",),
     ("attention_backend", "flashinfer"): ("flashinfer",),

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.bench.prefix import add_prefix_args, run_prefix
 
     b = bench.add_parser(
-        "prefix", help="prefix-cache workloads: shared prefix, 0% hits, multi-turn"
+        "prefix", help="prefix-cache workloads: shared prefix, 0%% hits, multi-turn"
     )
     add_prefix_args(b)
     ServerArgs.add_cli_args(b)

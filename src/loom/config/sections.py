@@ -73,7 +73,9 @@ class ModelArgs:
         metadata=_arg(
             "How linear layers store their weights: fp8 (E4M3 with per-channel scales, "
             "quantized at load; FP8 matmuls on Ada / Hopper GPUs), gguf (a GGUF file's Q4_0 / "
-            "Q4_1 weights kept in their 4-bit blocks; CPU); default: dense in --dtype.",
+            "Q4_1 weights kept in their 4-bit blocks; CPU), bitsandbytes (NF4 / FP4 4-bit or "
+            "LLM.int8() 8-bit on the bitsandbytes package's kernels: a bitsandbytes checkpoint "
+            "read as stored, a dense one quantized to NF4 at load); default: dense in --dtype.",
             family="quantization",
         ),
     )

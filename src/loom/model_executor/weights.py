@@ -41,7 +41,13 @@ def model_config_for(
             "it were never trained and have no rotary table"
         )
     quant_config = None
-    name = args.quantization or checkpoint_quantization(path, hf_config)
+    implied = loader.quantization
+    if implied and args.quantization not in (None, implied):
+        raise ValueError(
+            f"--load-format {args.load_format} loads with --quantization {implied}, not "
+            f"{args.quantization}"
+        )
+    name = args.quantization or implied or checkpoint_quantization(path, hf_config)
     if name is not None:
         cls = plugins.resolve("quantization", name)
         quant_config = cls.from_model(path, hf_config)

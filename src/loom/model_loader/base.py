@@ -47,8 +47,11 @@ class ModelLoader(ABC):
     Contract: ``load_hf_config`` and ``load_tokenizer`` read only local files (never a hub);
     ``load_model`` returns an ``eval()`` model on ``device_config.device`` in
     ``model_config.dtype`` with every parameter written, built by the model family's class for
-    ``model_config.architecture``.
+    ``model_config.architecture``. ``quantization``: the ``--quantization`` member the format
+    implies (None: the flag's, or the checkpoint's own).
     """
+
+    quantization: str | None = None
 
     @classmethod
     def can_load(cls, path: str) -> bool:

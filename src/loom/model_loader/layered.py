@@ -151,13 +151,18 @@ class LayeredLoader(SafetensorsLoader):
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             # A generator resumes only when load_weights asks for the next tensor, so every
             # tensor yielded before has been written into its parameter.
-            for group in sorted(by_group):
-                groups.materialize(group)
+            def read(group: int) -> Iterator[tuple[str, torch.Tensor]]:
                 for file, names in by_group[group]:
                     with safe_open(file, framework="pt", device="cpu") as f:
                         for name in names:
                             yield name, f.get_tensor(name)
                             progress.update()
+
+            quant = model_config.quant_config
+            for group in sorted(by_group):
+                groups.materialize(group)
+                # a quantization member regroups a layer's tensors within the layer
+                yield from read(group) if quant is None else quant.checkpoint_tensors(read(group))
                 if group != OUTSIDE:  # outside modules (the LM head) may read layers' state
                     groups.finish(group)
 

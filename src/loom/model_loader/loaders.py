@@ -1,4 +1,4 @@
-"""Built-in loaders: auto, safetensors, pt, dummy (gguf lives in gguf_loader.py)."""
+"""Built-in loaders: auto, safetensors, bitsandbytes, pt, dummy (gguf lives in gguf_loader.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ def _count_tensors(path: str) -> int:
     return total
 
 
+def _checkpoint_tensors(model_config: ModelConfig, weights):
+    """The checkpoint's tensors as the quantization member, if any, regroups them."""
+    quant = model_config.quant_config
+    return weights if quant is None else quant.checkpoint_tensors(weights)
+
+
 class SafetensorsLoader(ModelLoader):
     """An HF directory: config.json, *.safetensors and tokenizer files."""
 
@@ -62,8 +68,21 @@ class SafetensorsLoader(ModelLoader):
             unit="tensor",
             leave=False,
         )
-        model.load_weights(weights)
+        model.load_weights(_checkpoint_tensors(model_config, weights))
         return process_weights_after_loading(model)
+
+
+class BitsAndBytesLoader(SafetensorsLoader):
+    """SGLang's ``--load-format bitsandbytes``: an HF safetensors directory loaded with
+    ``--quantization bitsandbytes`` (a bitsandbytes checkpoint read as stored, a dense one
+    quantized to 4-bit NF4 at load). ``auto`` never picks it: the safetensors loader reads the
+    same directories, and a bitsandbytes checkpoint selects its quantization by itself."""
+
+    quantization = "bitsandbytes"
+
+    @classmethod
+    def can_load(cls, path: str) -> bool:
+        return False
 
 
 def _pt_files(path: str) -> list[str]:
@@ -108,7 +127,7 @@ class PtLoader(ModelLoader):
             unit="tensor",
             leave=False,
         )
-        model.load_weights(weights)
+        model.load_weights(_checkpoint_tensors(model_config, weights))
         return process_weights_after_loading(model)
 
 

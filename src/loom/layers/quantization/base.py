@@ -14,6 +14,7 @@ whose columns cut along the input dimension where the loaders cut it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -63,6 +64,14 @@ class QuantizationConfig(ABC):
         """Whether the loader should hand checkpoint tensor ``name`` over in this method's
         stored form rather than as dense values."""
         return False
+
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs as the model's ``load_weights`` takes them (the
+        safetensors and pt loaders pass theirs through here): a member whose format stores one
+        weight as several tensors regroups them into its parameters' (default: as stored)."""
+        return weights
 
     def apply(self, model: nn.Module) -> int:
         """Give each linear layer of ``model`` its method (the loaders call this on the model
