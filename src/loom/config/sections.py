@@ -72,8 +72,9 @@ class ModelArgs:
         default=None,
         metadata=_arg(
             "How linear layers store their weights: fp8 (E4M3 with per-channel scales, "
-            "quantized at load; FP8 matmuls on Ada / Hopper GPUs), gguf (a GGUF file's Q4_0 / "
-            "Q4_1 weights kept in their 4-bit blocks; CPU), bitsandbytes (NF4 / FP4 4-bit or "
+            "quantized at load; FP8 matmuls on Ada / Hopper GPUs), gguf (a GGUF file's blocks "
+            "kept: Q4_0 / Q4_1 as int4 on the CPU, every block format as the file's bytes for "
+            "Triton kernels on CUDA), bitsandbytes (NF4 / FP4 4-bit or "
             "LLM.int8() 8-bit on the bitsandbytes package's kernels: a bitsandbytes checkpoint "
             "read as stored, a dense one quantized to NF4 at load); default: dense in --dtype.",
             family="quantization",

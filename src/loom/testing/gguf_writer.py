@@ -199,9 +199,13 @@ def _llama3_rope_divisors(config: Any) -> np.ndarray:
     return (1 / ((1 - smooth) / rope["factor"] + smooth)).astype(np.float32)
 
 
-def write_gguf(path: str, arch: str, model: nn.Module, vocab: Vocab) -> None:
+def write_gguf(
+    path: str, arch: str, model: nn.Module, vocab: Vocab, quant: dict[str, str] | None = None
+) -> None:
     """Write ``model`` (an HF model whose vocabulary is ``vocab``'s) to ``path`` as llama.cpp's
-    converter writes GGUF architecture ``arch`` at F32."""
+    converter writes GGUF architecture ``arch`` at F32; ``quant`` maps a tensor-name suffix
+    (``attn_q.weight``) to the GGML type its 2-D tensors are quantized to with gguf-py's own
+    quantizer (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
     import gguf
 
     assert model.config.vocab_size == len(vocab.tokens), "the model's vocabulary is the vocab's"
@@ -210,7 +214,12 @@ def write_gguf(path: str, arch: str, model: nn.Module, vocab: Vocab) -> None:
     _write_metadata(w, arch, model.config)
     _write_vocab(w, vocab)
     for name, data in gguf_tensors(arch, model).items():
-        w.add_tensor(name, data)
+        qtype = next((t for sfx, t in (quant or {}).items() if name.endswith(sfx)), None)
+        if qtype is not None and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
     rope = _rope(model.config)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_divisors(model.config))

@@ -11,7 +11,12 @@ into the int4 layout once. Layers whose parts are stored in other formats (Q8_0,
 F16, or parts of different formats) stay dense, dequantised as before.
 
 The matmul runs in bf16 (the CPU kernel's only fast input type; the scales round to bf16) and
-returns ``x``'s dtype. CPU only: on CUDA there is no packed kernel yet.
+returns ``x``'s dtype.
+
+On CUDA every block format of ``gguf_blocks`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+is kept as the file's bytes, ``[rows, blocks * bytes]`` uint8 on the device, and multiplied by
+``gguf_triton.gguf_matmul``, which decodes the blocks in the kernel (one-token decode) or
+dequantizes into a temporary for cuBLAS (more rows): the device holds the file's bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from loom.layers.quantization.base import LinearMethod, QuantizationConfig
+from loom.layers.quantization.gguf_blocks import BLOCKS, row_bytes
 
 GROUP = 32
 # block bytes by GGML type name: fp16 scale (and fp16 offset), then 16 bytes of 32 nibbles
@@ -52,7 +58,7 @@ class GGUFLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
         out_features, in_features = layer.weight.shape
         if layer.weight.device.type != "cpu":
-            raise ValueError("--quantization gguf runs on CPU only (no CUDA kernel for its blocks)")
+            raise ValueError("the int4 path of --quantization gguf runs on the CPU")
         if in_features % GROUP:
             raise ValueError(f"input size {in_features} is not a multiple of {GROUP}")
         row_bytes = in_features // GROUP * BLOCK_BYTES[self.qtype]
@@ -79,6 +85,39 @@ class GGUFLinearMethod(LinearMethod):
             x.reshape(-1, shape[-1]).to(torch.bfloat16), layer.qweight, GROUP, layer.scales_zeros
         ).to(x.dtype)
         y = y.reshape(*shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+
+def keeps_blocks() -> bool:
+    """Whether layers keep their raw blocks for the Triton kernels: on CUDA, the device the
+    model is being built on (``build_model``'s enclosing ``torch.device``)."""
+    return torch.empty(0).device.type == "cuda"
+
+
+class GGUFBlocksLinearMethod(LinearMethod):
+    """CUDA: the layer's weight is its rows' raw GGML blocks, decoded by the Triton kernels."""
+
+    def __init__(self, qtype: str) -> None:
+        self.qtype = qtype
+
+    def create_weights(self, layer: nn.Module) -> None:
+        out_features, in_features = layer.weight.shape
+        weight = nn.Parameter(
+            torch.empty(
+                out_features,
+                row_bytes(in_features, self.qtype),
+                dtype=torch.uint8,
+                device=layer.weight.device,
+            ),
+            requires_grad=False,
+        )
+        weight.weight_loader = layer.weight_loader
+        layer.weight = weight
+
+    def apply(self, layer, x, bias):
+        from loom.layers.quantization.gguf_triton import gguf_matmul
+
+        y = gguf_matmul(x, layer.weight, self.qtype)
         return y if bias is None else y + bias
 
 
@@ -112,10 +151,12 @@ class GGUFQuantization(QuantizationConfig):
     def linear_method(self, prefix: str, sources: list[str]) -> LinearMethod | None:
         found = [s for s in sources if s in self.types]
         kinds = {self.types[s] for s in found}
-        if not found or len(kinds) != 1 or next(iter(kinds)) not in BLOCK_BYTES:
+        blocks = keeps_blocks()
+        kept = BLOCKS if blocks else BLOCK_BYTES
+        if not found or len(kinds) != 1 or next(iter(kinds)) not in kept:
             return None
         self._packed.update(found)
-        return GGUFLinearMethod(kinds.pop())
+        return GGUFBlocksLinearMethod(kinds.pop()) if blocks else GGUFLinearMethod(kinds.pop())
 
     def load_form(self, name: str) -> bool:
         return name in self._packed
