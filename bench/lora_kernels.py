@@ -90,6 +90,7 @@ def time_us(fn, iters: int, warmup: int, graph: bool) -> float:
 
 def bench_case(name, t, distinct, args, dtype) -> dict:
     from loom.lora import triton_ops as ops
+    from loom.lora.backends import TorchNativeLoRABackend
     from loom.lora.manager import LoRALinear, LoRAManager
 
     n_in, sizes = SHAPES[name]
@@ -110,7 +111,13 @@ def bench_case(name, t, distinct, args, dtype) -> dict:
     slots = slot_runs(t, distinct)
 
     # today's torch path: LoRALinear over a stand-in manager holding this one pool
-    mgr = SimpleNamespace(device=dev, active=None, buffers=[{PACKED[name]: (a_buf, b_buf)}])
+    mgr = SimpleNamespace(
+        device=dev,
+        active=None,
+        buffers=[{PACKED[name]: (a_buf, b_buf)}],
+        sizes={PACKED[name]: (n_in, list(sizes))},
+        backend=TorchNativeLoRABackend(),
+    )
     LoRAManager.set_batch(mgr, slots)
     lora_linear = LoRALinear(base, mgr, 0, PACKED[name])
 

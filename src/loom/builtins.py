@@ -52,6 +52,11 @@ BUILTINS: dict[str, dict[str, str]] = {
         "priority": "loom.mem_cache.eviction:PriorityPolicy",
         "slru": "loom.mem_cache.eviction:SLRUPolicy",
     },
+    "lora_backend": {
+        "auto": "loom.lora.backends:AutoLoRABackend",
+        "torch_native": "loom.lora.backends:TorchNativeLoRABackend",
+        "triton": "loom.lora.backends:TritonLoRABackend",
+    },
     "lora_eviction_policy": {
         "lru": "loom.lora.eviction:LRUPolicy",
         "lfu": "loom.lora.eviction:LFUPolicy",
@@ -94,6 +99,7 @@ REQUIRES: dict[tuple[str, str], tuple[str, ...]] = {
     ("attention_backend", "triton"): ("triton",),
     ("attention_backend", "flash_attention"): ("triton",),
     ("attention_backend", "flashinfer"): ("flashinfer",),
+    ("lora_backend", "triton"): ("triton",),
     ("grammar_backend", "xgrammar"): ("xgrammar",),
     ("grammar_backend", "llguidance"): ("llguidance",),
 }

@@ -72,6 +72,13 @@ FAMILIES: dict[str, Family] = {
             "Which radix-cache leaf is evicted first.",
         ),
         Family(
+            "lora_backend",
+            "loom.lora.backends:LoRABackend",
+            "--lora-backend",
+            "auto",
+            "How a batch's LoRA adapter updates are computed over the slot pool.",
+        ),
+        Family(
             "lora_eviction_policy",
             "loom.lora.base:LoRAEvictionPolicy",
             "--lora-eviction-policy",

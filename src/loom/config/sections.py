@@ -315,6 +315,15 @@ class LoRAArgs:
         default=None,
         metadata=_arg("Rank of the adapter slots (default: the largest rank of --lora-paths)."),
     )
+    lora_backend: str = field(
+        default="auto",
+        metadata=_arg(
+            "How adapter updates are computed: triton (one shrink and one expand kernel per "
+            "projection for every adapter of the batch), torch_native (a matmul pair per "
+            "adapter), auto (triton on CUDA, else torch_native).",
+            family="lora_backend",
+        ),
+    )
     lora_eviction_policy: str = field(
         default="lru",
         metadata=_arg(

@@ -10,15 +10,15 @@ each token's adapter update to the base projections.
   leaves the running set (finished, aborted, retracted). A request whose adapter has no slot and
   no free or idle one to take waits in the queue. An idle adapter (no running request) keeps its
   slot until the ``lora_eviction_policy`` picks it to make room.
-- Before each forward the runner hands the batch's per-token slots to ``set_batch``: tokens are
-  grouped by slot once, and every wrapped projection adds ``B_s (A_s x)`` for each group
-  (segment-gathered matmuls in torch, S-LoRA's idea without its custom kernels).
+- Before each forward the runner hands the batch's per-token slots to ``set_batch``, which the
+  ``lora_backend`` member turns into its batch description once; every wrapped projection then
+  adds each token's ``B_s (A_s x)`` through that member (``backends.py``: Triton kernels over
+  all adapters at once, or a matmul pair per adapter in torch).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,12 +45,6 @@ def _slice_sizes(module: nn.Module, packed: str) -> list[int]:
     return [module.output_size]
 
 
-@dataclass
-class _BatchInfo:
-    # (slot, token indices or None for every token of the batch)
-    groups: list[tuple[int, torch.Tensor | None]]
-
-
 class LoRALinear(nn.Module):
     """A packed projection plus the running batch's adapter updates."""
 
@@ -63,18 +57,20 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        info = self.manager.active
-        if info is None:
+        m = self.manager
+        if m.active is None:
             return y
-        a_all, b_all = self.manager.buffers[self.layer][self.packed]
-        for slot, idx in info.groups:
-            a, b = a_all[slot], b_all[slot]
-            if idx is None:
-                y += (x @ a.t()) @ b.t()
-            else:
-                xs = x.index_select(0, idx)
-                y.index_add_(0, idx, (xs @ a.t()) @ b.t())
-        return y
+        a_buf, b_buf = m.buffers[self.layer][self.packed]
+        shape = y.shape
+        y2 = m.backend.apply(
+            x.reshape(-1, x.shape[-1]),
+            y.reshape(-1, shape[-1]),
+            a_buf,
+            b_buf,
+            m.sizes[self.packed][1],
+            m.active,
+        )
+        return y2.reshape(shape)
 
 
 _TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
@@ -148,7 +144,8 @@ class LoRAManager:
         self.slot_names: list[str | None] = [None] * self.num_slots
         self.refs: dict[str, int] = {}
         self.policy = plugins.resolve("lora_eviction_policy", args.lora_eviction_policy)()
-        self.active: _BatchInfo | None = None
+        self.backend = plugins.resolve("lora_backend", args.lora_backend)()
+        self.active = None  # the lora_backend's description of the batch, or None: base model only
         self.num_slot_loads = 0
 
     # ---- adapters -------------------------------------------------------------------------
@@ -270,21 +267,15 @@ class LoRAManager:
     def set_batch(self, slots: list[int], counts: list[int] | None = None) -> None:
         """Each request's slot (-1: no adapter) for a forward whose tokens are the requests'
         ``counts`` tokens in order (None: one token each). All -1: the base model only."""
-        used = sorted(set(slots) - {-1})
-        if not used:
+        if max(slots, default=-1) < 0:
             self.active = None
             return
-        if len(used) == 1 and min(slots) >= 0:  # one adapter for every token
-            self.active = _BatchInfo([(used[0], None)])
-            return
-        per_token = torch.tensor(slots)
-        if counts is not None:
-            per_token = per_token.repeat_interleave(torch.tensor(counts))
-        groups = []
-        for s in used:
-            idx = torch.nonzero(per_token == s).flatten().to(self.device, non_blocking=True)
-            groups.append((s, idx))
-        self.active = _BatchInfo(groups)
+        per_token = (
+            list(slots)
+            if counts is None
+            else [s for s, n in zip(slots, counts, strict=True) for _ in range(n)]
+        )
+        self.active = self.backend.prepare(per_token, self.device)
 
     def clear_batch(self) -> None:
         self.active = None
