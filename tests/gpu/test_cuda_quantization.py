@@ -97,7 +97,7 @@ def test_gguf_blocks_layers_match_the_dequantized_file(gguf_blocks_file):
     assert n >= 4
     with loom.Engine(
         model=gguf_blocks_file, device="cuda", quantization="gguf", max_total_tokens=1024,
-        disable_cuda_graph=True,
+        disable_cuda_graph=True, skip_tokenizer_init=True,
     ) as e:  # fmt: skip
         layers = [m for m in e.runner.model.modules() if getattr(m, "quant_method", None)]
         assert all(isinstance(m.quant_method, GGUFBlocksLinearMethod) for m in layers)
@@ -112,7 +112,8 @@ def test_gguf_blocks_in_the_graphs_give_the_dense_files_tokens(gguf_blocks_file)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     lp = {"return_logprob": True, "top_logprobs_num": 2}
-    kw = dict(model=gguf_blocks_file, device="cuda", dtype="bfloat16", max_total_tokens=8192)
+    kw = dict(model=gguf_blocks_file, device="cuda", dtype="bfloat16", max_total_tokens=8192,
+              skip_tokenizer_init=True)  # fmt: skip
     with loom.Engine(**kw) as e:
         want = e.generate(input_ids=prompts, sampling_params=params, **lp)
     with loom.Engine(quantization="gguf", **kw) as e:
