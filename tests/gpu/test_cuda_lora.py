@@ -1,6 +1,7 @@
 """Multi-LoRA on the GPU: a batch mixing two peft adapters and the base model, with CUDA graphs
-on (base-only decode steps replay graphs; steps with an adapter run eagerly), gives peft's
-greedy tokens (peft on CPU in fp32). Skipped without CUDA."""
+on, gives peft's greedy tokens (peft on CPU in fp32), with either LoRA backend: Triton's decode
+steps with adapters replay the graphs (each row's slot a graph input), torch_native's run
+eagerly. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from tests.test_lora import GREEDY, PROMPTS, lora_setup, peft_ref  # noqa: F401 
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("lora_backend", ["triton", "torch_native"])
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
-def test_cuda_mixed_lora_batch_matches_peft(lora_setup, peft_ref, backend):  # noqa: F811
+def test_cuda_mixed_lora_batch_matches_peft(lora_setup, peft_ref, backend, lora_backend):  # noqa: F811
     base, paths = lora_setup
     jobs = [(p, lo) for p in PROMPTS for lo in ("a", "b", None)]
     with loom.Engine(
@@ -23,8 +25,13 @@ def test_cuda_mixed_lora_batch_matches_peft(lora_setup, peft_ref, backend):  # n
         skip_tokenizer_init=True,
         max_total_tokens=4096,
         attention_backend=backend,
+        lora_backend=lora_backend,
         lora_paths=[f"{n}={p}" for n, p in paths.items()],
     ) as e:
+        graphs = e.runner.cuda_graph_runner  # (torch_native attention captures none)
+        assert (graphs is not None) == (backend == "triton")
+        if graphs is not None:
+            assert (graphs.lora is not None) == (lora_backend == "triton")
         outs = e.generate(
             input_ids=[p for p, _ in jobs], sampling_params=GREEDY, lora_path=[lo for _, lo in jobs]
         )

@@ -30,6 +30,12 @@ class LoRABackend(ABC):
     def prepare(self, per_token: list[int], device: torch.device) -> Any:
         """The batch description from each token's slot (``-1``: none; not all -1)."""
 
+    def graph_batch(self, token_slot: torch.Tensor) -> Any | None:
+        """The batch description over ``token_slot`` (a CUDA graph's static int32 buffer, one
+        slot per row, filled before each replay), or None when this member cannot run inside
+        a graph (the decode steps with adapters then run eagerly)."""
+        return None
+
     @abstractmethod
     def apply(
         self,
@@ -73,6 +79,11 @@ class TritonLoRABackend(LoRABackend):
 
         return make_lora_batch(per_token, device)
 
+    def graph_batch(self, token_slot):
+        from loom.lora.triton_ops import LoRABatch
+
+        return LoRABatch(token_slot)  # no segments: the gather kernels, whose grid is fixed
+
     def apply(self, x, y, a_buf, b_buf, slice_sizes, batch):
         from loom.lora.triton_ops import lora_shrink_expand
 
@@ -94,6 +105,11 @@ class AutoLoRABackend(LoRABackend):
     def prepare(self, per_token, device):
         backend = self._pick(device)
         return backend, backend.prepare(per_token, device)
+
+    def graph_batch(self, token_slot):
+        backend = self._pick(token_slot.device)
+        inner = backend.graph_batch(token_slot)
+        return None if inner is None else (backend, inner)
 
     def apply(self, x, y, a_buf, b_buf, slice_sizes, batch):
         backend, inner = batch

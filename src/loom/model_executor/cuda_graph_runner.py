@@ -41,7 +41,10 @@ class CudaGraphRunner:
         device: torch.device,
         context_len: int,
         max_bs: int,
+        lora=None,
     ) -> None:
+        """``lora``: the LoRA manager when its backend runs inside graphs (each row's adapter
+        slot is then a graph input: one graph per batch size serves any mix of adapters)."""
         self.forward = forward
         self.attach = attach
         self.backend = backend
@@ -57,6 +60,9 @@ class CudaGraphRunner:
         self.padding = self.static.clone()
         (self.input_ids, self.positions, self.seq_lens, self.req_pool_indices,
          self.out_cache_loc) = self.static.unbind(0)  # fmt: skip
+        self.lora = lora
+        # each row's adapter slot (-1: the base model; padding rows -1)
+        self.lora_slots = torch.full((self.max_bs,), -1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -86,6 +92,15 @@ class CudaGraphRunner:
         return batch
 
     def _capture(self, bs: int) -> None:
+        if self.lora is not None:
+            self.lora.active = self.lora.backend.graph_batch(self.lora_slots[:bs])
+        try:
+            self._capture_bs(bs)
+        finally:
+            if self.lora is not None:
+                self.lora.active = None
+
+    def _capture_bs(self, bs: int) -> None:
         host_plan = self.backend.plans_on_host_for(bs)
         if host_plan:
             self.backend.graph_wrapper(bs, self.max_bs * self.context_len)
@@ -113,6 +128,7 @@ class CudaGraphRunner:
         packed: torch.Tensor,
         input_ids: torch.Tensor | None = None,
         seq_lens_cpu: list[int] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """``packed``: the runner's ``[5, bs]`` batch description on the device (see
         ``static``); ``input_ids``: the step's ids when they are already on the device (the
@@ -125,6 +141,10 @@ class CudaGraphRunner:
             self.input_ids[:bs].copy_(input_ids)
         if gbs > bs:
             self.static[:, bs:gbs].copy_(self.padding[:, bs:gbs])
+        if self.lora is not None:
+            slots = torch.tensor(lora_slots or [-1] * bs, dtype=torch.int32)
+            self.lora_slots[:bs].copy_(slots, non_blocking=True)
+            self.lora_slots[bs:gbs].fill_(-1)
         if self.backend.plans_on_host_for(gbs):
             if seq_lens_cpu is None:
                 raise ValueError(f"{type(self.backend).__name__} needs the host's seq_lens")

@@ -171,7 +171,16 @@ class ModelRunner:
             self.device,
             self.model_config.context_len,
             max_bs,
+            lora=self._graph_lora(),
         )
+
+    def _graph_lora(self):
+        """The LoRA manager when its backend runs inside the decode graphs, else None."""
+        m = self.lora_manager
+        if m is None:
+            return None
+        probe = torch.full((1,), -1, dtype=torch.int32, device=self.device)
+        return m if m.backend.graph_batch(probe) is not None else None
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -430,11 +439,12 @@ class ModelRunner:
             ids = input_ids_dev
         self.req_to_token_pool.req_to_token[rows, pos] = locs
         graphs = self.cuda_graph_runner
-        # the graphs hold the base model only: batches with an adapter run eagerly
         if self.lora_manager is None or lora_slots is None:
             lora_slots = []
-        if graphs is not None and graphs.can_run(bs) and max(lora_slots, default=-1) < 0:
-            return graphs.replay(packed, input_ids_dev, seq_lens)
+        with_lora = max(lora_slots, default=-1) >= 0
+        # graphs captured without the adapters' kernels leave batches with an adapter eager
+        if graphs is not None and graphs.can_run(bs) and (not with_lora or graphs.lora):
+            return graphs.replay(packed, input_ids_dev, seq_lens, lora_slots or None)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
