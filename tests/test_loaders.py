@@ -198,7 +198,7 @@ def test_layered_loader_refuses_transformers_modeling_code(tmp_path):
 
 @pytest.fixture(scope="module")
 def many_layers(tmp_path_factory) -> str:
-    """A random Llama of 32 layers (an 8B model's count) whose bf16 checkpoint is 260 MB."""
+    """A random Llama of 48 layers whose bf16 checkpoint is 390 MB: one layer is 1/48 of it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def many_layers(tmp_path_factory) -> str:
         vocab_size=4096,
         hidden_size=512,
         intermediate_size=2048,
-        num_hidden_layers=32,
+        num_hidden_layers=48,
         num_attention_heads=8,
         num_key_value_heads=4,
         tie_word_embeddings=False,
