@@ -91,6 +91,7 @@ def time_us(fn, iters: int, warmup: int, graph: bool) -> float:
 def bench_case(name, t, distinct, args, dtype) -> dict:
     from loom.lora import triton_ops as ops
     from loom.lora.backends import TorchNativeLoRABackend
+    from loom.lora.batch import make_lora_batch
     from loom.lora.manager import LoRALinear, LoRAManager
 
     n_in, sizes = SHAPES[name]
@@ -121,7 +122,7 @@ def bench_case(name, t, distinct, args, dtype) -> dict:
     LoRAManager.set_batch(mgr, slots)
     lora_linear = LoRALinear(base, mgr, 0, PACKED[name])
 
-    batch = ops.make_lora_batch(slots, dev)
+    batch = make_lora_batch(slots, dev)
     offs = [sum(sizes[:j]) for j in range(s_count)]
 
     def kernels(segments):

@@ -215,7 +215,7 @@ def test_an_aborted_request_gives_its_slot_back(lora_setup, peft_ref):
             rid="long",
         )
         next(stream)
-        assert e.runner.lora_manager.refs["a"] == 1
+        assert e.runner.lora_manager.in_use("a") == 1
         e.abort_request("long")
         last = list(stream)[-1]
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
@@ -279,8 +279,10 @@ def test_unsupported_adapters_fail_at_start_up(lora_setup, tmp_path):
 def test_adapters_load_and_unload_while_serving(lora_setup, peft_ref):
     """An engine started with --enable-lora and no adapters: an adapter loaded while serving
     gives peft's tokens; loading a name twice, a missing path or a rank above the pool's is
-    refused by name; unloading is refused while a request uses the adapter, then works, after
-    which the name is unknown."""
+    refused by name; an unload while a request uses the adapter refuses new requests for it at
+    once, waits for the running one to end, then returns, after which the name is unknown."""
+    import threading
+
     base, paths = lora_setup
     with loom.Engine(
         model=base,
@@ -298,20 +300,28 @@ def test_adapters_load_and_unload_while_serving(lora_setup, peft_ref):
             e.load_lora_adapter("x", paths["a"] + "-missing")
         with pytest.raises(ValueError, match="rank 8, above --max-lora-rank 4"):
             e.load_lora_adapter("b", paths["b"])
+        assert e.lora_names == {"a"}
         stream = e.generate(
             input_ids=PROMPTS[1],
             sampling_params={**GREEDY, "max_new_tokens": 200},
             lora_path="a",
             stream=True,
         )
-        next(stream)  # running now
-        with pytest.raises(ValueError, match="'a' is in use by 1 request"):
-            e.unload_lora_adapter("a")
-        for _ in stream:
+        first = next(stream)  # running now
+        done = threading.Event()
+        unload = threading.Thread(target=lambda: (e.unload_lora_adapter("a"), done.set()))
+        unload.start()
+        while "a" in e.lora_names:
             pass
-        e.unload_lora_adapter("a")
         with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
             e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="a")
+        # the stream holds the adapter until its last output is taken
+        assert not done.wait(0.5)
+        rest = list(stream)
+        unload.join(timeout=30)
+        assert done.is_set()
+        assert [*rest, first][0]["meta_info"]["finish_reason"]["type"] == "length"
+        assert e.runner.lora_manager.names == []
         e.scheduler.check_kv_balance()
 
 

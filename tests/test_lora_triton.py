@@ -4,16 +4,48 @@ qkv shapes, including a captured CUDA graph replayed with other slots."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
 from loom.lora import triton_ops as ops
+from loom.lora.batch import make_lora_batch, segments_of
 
 pytestmark = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton not installed")
 
 # the small tests run on CUDA when there is one, else on CPU under the interpreter
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE = 1e3  # written where the kernels must not read: off-diagonal B blocks, rank padding
+
+
+def lora_reference(
+    x: torch.Tensor,
+    a_buf: torch.Tensor,
+    b_buf: torch.Tensor,
+    token_slot: torch.Tensor,
+    slice_sizes: Sequence[int],
+    slot_ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The update ``delta [T, out]`` (fp32) the kernels add to ``y``, in plain PyTorch: per slot,
+    per slice, only the slice's diagonal block of B (and with ``slot_ranks`` only the first
+    ``rank`` rows/columns of each slice), so it ignores whatever the rest of the pool holds."""
+    num_slices = len(slice_sizes)
+    r = a_buf.shape[1] // num_slices
+    offs = ops._offsets_of(slice_sizes)
+    xf = x.float()
+    delta = torch.zeros(x.shape[0], b_buf.shape[1], device=x.device, dtype=torch.float32)
+    slots = token_slot.long()
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        idx = torch.nonzero(slots == s).flatten()
+        k = r if slot_ranks is None else min(r, int(slot_ranks[s]))
+        for j, size in enumerate(slice_sizes):
+            a = a_buf[s, j * r : j * r + k].float()  # [k, in]
+            b = b_buf[s, offs[j] : offs[j] + size, j * r : j * r + k].float()  # [size, k]
+            delta[idx, offs[j] : offs[j] + size] = (xf[idx] @ a.t()) @ b.t()
+    return delta
 
 
 def make_pool(slots, n_in, slice_sizes, r, ranks=None, dtype=torch.float32, device=DEV, seed=0):
@@ -65,7 +97,7 @@ N_IN, SLOTS = 48, 3  # 48 features: three BLOCK_K=16 chunks, and not a power of 
 
 def run(path, x, y, a, b, slots, sizes, ranks=None, splits=None):
     device = x.device
-    batch = ops.make_lora_batch(slots, device)
+    batch = make_lora_batch(slots, device)
     segs = batch.segments if path == "segment" else None
     v = ops.lora_shrink(
         x, a, batch.token_slot, len(sizes), segments=segs, slot_ranks=ranks,
@@ -88,7 +120,7 @@ def test_fp32_matches_reference(sizes, r, t, path):
     y = y0.clone()
     ts = torch.tensor(slots, dtype=torch.int32, device=DEV)
     v = run(path, x, y, a, b, slots, sizes, splits=2 if t == 5 else None)
-    ref = ops.lora_reference(x, a, b, ts, sizes)
+    ref = lora_reference(x, a, b, ts, sizes)
     torch.testing.assert_close(y, y0 + ref, rtol=1e-5, atol=1e-5)
     none = ts < 0
     assert torch.equal(y[none], y0[none])  # tokens without an adapter are untouched
@@ -114,7 +146,7 @@ def test_mixed_ranks_skip_padding(path):
     x = torch.randn(t, N_IN, generator=torch.Generator().manual_seed(2)).to(DEV)
     y = torch.zeros(t, sum(sizes), device=DEV)
     run(path, x, y, a, b, slots, sizes, ranks=rk)
-    ref = ops.lora_reference(x, a, b, torch.tensor(slots), sizes, slot_ranks=rk)
+    ref = lora_reference(x, a, b, torch.tensor(slots), sizes, slot_ranks=rk)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -132,7 +164,7 @@ def test_bf16(path):
     y0 = torch.randn(t, sum(sizes), generator=gen).to(DEV, torch.bfloat16)
     y = y0.clone()
     run(path, x, y, a, b, slots, sizes)
-    ref = y0.float() + ops.lora_reference(x, a, b, torch.tensor(slots), sizes)
+    ref = y0.float() + lora_reference(x, a, b, torch.tensor(slots), sizes)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -144,23 +176,23 @@ def test_shrink_expand_dispatch_and_no_adapter():
         t = len(slots)
         x = torch.randn(t, N_IN, generator=torch.Generator().manual_seed(t)).to(DEV)
         y = torch.zeros(t, sum(sizes), device=DEV)
-        ops.lora_shrink_expand(x, y, a, b, sizes, ops.make_lora_batch(slots, DEV))
-        ref = ops.lora_reference(x, a, b, torch.tensor(slots), sizes)
+        ops.lora_shrink_expand(x, y, a, b, sizes, make_lora_batch(slots, DEV))
+        ref = lora_reference(x, a, b, torch.tensor(slots), sizes)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     # a batch with no adapter at all leaves y alone
     y = torch.ones(4, sum(sizes), device=DEV)
     x = torch.randn(4, N_IN, device=DEV)
-    ops.lora_shrink_expand(x, y, a, b, sizes, ops.make_lora_batch([-1] * 4, DEV))
+    ops.lora_shrink_expand(x, y, a, b, sizes, make_lora_batch([-1] * 4, DEV))
     assert torch.equal(y, torch.ones_like(y))
 
 
 def test_segments_of():
-    segs = ops.segments_of([-1, 2, 2, 0, -1, 0, 0, 0, 1], "cpu")
+    segs = segments_of([-1, 2, 2, 0, -1, 0, 0, 0, 1], "cpu")
     assert segs.start.tolist() == [1, 3, 5, 8]
     assert segs.length.tolist() == [2, 1, 3, 1]
     assert segs.slot.tolist() == [2, 0, 0, 1]
     assert segs.max_len == 3
-    assert ops.segments_of([-1, -1], "cpu").max_len == 0
+    assert segments_of([-1, -1], "cpu").max_len == 0
 
 
 def test_rejects_bad_offsets():
@@ -192,9 +224,9 @@ class TestCuda:
         slots = token_slots(t, self.SLOTS, seed=t)
         x = torch.randn(t, self.N_IN, device="cuda", dtype=torch.bfloat16)
         y = torch.zeros(t, sum(self.SIZES), device="cuda", dtype=torch.bfloat16)
-        batch = ops.make_lora_batch(slots, "cuda", segments=segments)
+        batch = make_lora_batch(slots, "cuda", segments=segments)
         ops.lora_shrink_expand(x, y, a, b, self.SIZES, batch)
-        ref = ops.lora_reference(x, a, b, batch.token_slot, self.SIZES)
+        ref = lora_reference(x, a, b, batch.token_slot, self.SIZES)
         torch.testing.assert_close(y.float(), ref, **self.TOL)
 
     def test_mixed_ranks(self):
@@ -205,9 +237,9 @@ class TestCuda:
             slots = token_slots(t, self.SLOTS, seed=t)
             x = torch.randn(t, self.N_IN, device="cuda", dtype=torch.bfloat16)
             y = torch.zeros(t, sum(self.SIZES), device="cuda", dtype=torch.bfloat16)
-            batch = ops.make_lora_batch(slots, "cuda")
+            batch = make_lora_batch(slots, "cuda")
             ops.lora_shrink_expand(x, y, a, b, self.SIZES, batch, slot_ranks=rk)
-            ref = ops.lora_reference(x, a, b, batch.token_slot, self.SIZES, slot_ranks=rk)
+            ref = lora_reference(x, a, b, batch.token_slot, self.SIZES, slot_ranks=rk)
             torch.testing.assert_close(y.float(), ref, **self.TOL)
 
     @pytest.mark.parametrize("t", [1, 64, 512])
@@ -216,7 +248,7 @@ class TestCuda:
         x = torch.randn(t, self.N_IN, device="cuda", dtype=torch.bfloat16)
         y0 = torch.randn(t, sum(self.SIZES), device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(y0)
-        batch = ops.make_lora_batch(token_slots(t, self.SLOTS, seed=1), "cuda", segments=False)
+        batch = make_lora_batch(token_slots(t, self.SLOTS, seed=1), "cuda", segments=False)
 
         def step():
             y.copy_(y0)
@@ -236,5 +268,5 @@ class TestCuda:
             y.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            ref = y0.float() + ops.lora_reference(x, a, b, batch.token_slot, self.SIZES)
+            ref = y0.float() + lora_reference(x, a, b, batch.token_slot, self.SIZES)
             torch.testing.assert_close(y.float(), ref, **self.TOL)

@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(b)
     b.set_defaults(func=lambda ns: run_load(ns, _server_kwargs(ns)))
 
+    from loom.bench.lora import add_lora_args, run_lora
+
+    b = bench.add_parser("lora", help="time to first token by where the adapter is")
+    add_lora_args(b)
+    ServerArgs.add_cli_args(b)
+    b.set_defaults(func=lambda ns: run_lora(ns, _server_kwargs(ns)))
+
     from loom.bench.serving import add_serving_args, run_serving
 
     b = bench.add_parser("serving", help="send HTTP streaming requests to a running server")

@@ -299,9 +299,11 @@ class LoRAArgs:
     lora_paths: tuple[str, ...] | None = field(
         default=None,
         metadata=_arg(
-            "LoRA adapters to serve, as NAME=PATH or PATH (named after its folder): PEFT "
-            "checkpoints (adapter_config.json + adapter_model.safetensors). Requests pick one "
-            "by name (`lora_path`; OpenAI routes: model `BASE:NAME` or `NAME`)."
+            "LoRA adapters to serve, as NAME=PATH, PATH (named after its folder) or "
+            '\'{"lora_name": NAME, "lora_path": PATH, "pinned": true}\' (a pinned adapter '
+            "keeps its device slot): PEFT checkpoints (adapter_config.json + "
+            "adapter_model.safetensors). Requests pick one by name (`lora_path`; OpenAI "
+            "routes: model `BASE:NAME` or `NAME`)."
         ),
     )
     max_loras_per_batch: int = field(
@@ -314,6 +316,21 @@ class LoRAArgs:
     max_lora_rank: int | None = field(
         default=None,
         metadata=_arg("Rank of the adapter slots (default: the largest rank of --lora-paths)."),
+    )
+    max_loaded_loras: int | None = field(
+        default=None,
+        metadata=_arg(
+            "Adapters kept in host memory (default: all). Past it the eviction policy drops "
+            "one, which is read from disk again when a request needs it."
+        ),
+    )
+    lora_target_modules: tuple[str, ...] | None = field(
+        default=None,
+        metadata=_arg(
+            "The projections the adapter pool serves (q_proj k_proj v_proj o_proj gate_proj "
+            "up_proj down_proj, qkv_proj, gate_up_proj, or all); default: those of "
+            "--lora-paths, else all. Adapters loaded later must stay within them."
+        ),
     )
     lora_backend: str = field(
         default="auto",
@@ -341,7 +358,15 @@ class LoRAArgs:
             object.__setattr__(self, "lora_paths", tuple(paths))
         if self.lora_paths and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)
-        _positive(self, "max_loras_per_batch", "max_lora_rank")
+        _positive(self, "max_loras_per_batch", "max_lora_rank", "max_loaded_loras")
+        if isinstance(self.lora_target_modules, (list, str)):
+            mods = self.lora_target_modules
+            object.__setattr__(
+                self, "lora_target_modules", (mods,) if isinstance(mods, str) else tuple(mods)
+            )
+        from loom.config.lora_paths import parse_lora_paths
+
+        parse_lora_paths(self.lora_paths)  # a malformed entry fails here, naming it
 
 
 @dataclass(frozen=True)

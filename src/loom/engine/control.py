@@ -10,26 +10,40 @@ from loom.scheduler.messages import LoadLoRA, UnloadLoRA, UpdateWeights
 
 
 class ControlCalls:
-    """Mixed into ``Engine``: uses its ``router``, ``backend``, ``info``, ``lora_names`` and
+    """Mixed into ``Engine``: uses its ``router``, ``backend``, ``info``, ``lora_registry`` and
     ``_check_alive``."""
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter from ``path`` under ``name``; requests may use it from then on.
-        Raises ValueError naming the problem (unknown path, unsupported adapter, a rank above
-        the pool's, a name in use)."""
-        if self.lora_names is None:
-            raise ValueError("LoRA is off: start the engine with --enable-lora or --lora-paths")
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Load a PEFT adapter from ``path`` under ``name``; requests may use it once this
+        returns. ``pinned``: it keeps its device slot for good. The checkpoint is read on the
+        scheduler's loader thread, so the running requests go on meanwhile. Raises ValueError
+        naming the problem (unknown path, unsupported adapter, a rank or module outside the
+        pool's, a name in use, too many pinned)."""
+        registry = self._lora_on()
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ValueError("load_lora_adapter takes a non-empty lora_name and lora_path")
-        self._control_call(lambda rid: LoadLoRA(rid, name, path))
-        self.lora_names.add(name)
+        if not isinstance(pinned, bool):
+            raise ValueError(f"pinned must be true or false, got {pinned!r}")
+        ref = registry.begin_load(name, path, pinned)
+        ok = False
+        try:
+            self._control_call(lambda rid: LoadLoRA(rid, ref))
+            ok = True
+        finally:
+            registry.end_load(ref, ok)
 
     def unload_lora_adapter(self, name: str) -> None:
-        """Unload adapter ``name``; refused while a request that uses it is queued or running."""
-        if self.lora_names is None:
+        """Unload adapter ``name``: new requests for it are refused at once; the call returns
+        when the requests already sent with it have ended and the scheduler has dropped it."""
+        registry = self._lora_on()
+        ref = registry.begin_unload(name)
+        registry.wait_idle(ref.lora_id, self._check_alive)
+        self._control_call(lambda rid: UnloadLoRA(rid, ref.lora_id, name))
+
+    def _lora_on(self):
+        if self.lora_registry is None:
             raise ValueError("LoRA is off: start the engine with --enable-lora or --lora-paths")
-        self._control_call(lambda rid: UnloadLoRA(rid, name))
-        self.lora_names.discard(name)
+        return self.lora_registry
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False

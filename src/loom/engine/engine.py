@@ -66,10 +66,13 @@ class Engine(ControlCalls):
             "radix_eviction_policy", args.radix_eviction_policy
         )
         plugins.resolve("schedule_policy", args.schedule_policy)
-        from loom.lora.adapter import parse_lora_paths
+        from loom.lora.registry import LoRARegistry, parse_lora_paths
 
-        # adapter names requests may pick (``lora_path``); None: LoRA is off
-        self.lora_names = set(parse_lora_paths(args.lora_paths)) if args.enable_lora else None
+        # the adapters requests may pick (``lora_path``) and their requests in flight; None:
+        # LoRA is off
+        self.lora_registry = (
+            LoRARegistry(parse_lora_paths(args.lora_paths)) if args.enable_lora else None
+        )
         self.model_path = resolve_model_path(args.model)
         self.loader = plugins.resolve("model_loader", args.load_format)()
         self.hf_config = self.loader.load_hf_config(self.model_path)
@@ -85,6 +88,8 @@ class Engine(ControlCalls):
         self.eos_token_ids = eos_token_ids(self.hf_config, self.model_path, tokenizer)
         self.profile = FrontendProfile()
         self.router = OutputRouter(self.profile)
+        if self.lora_registry is not None:
+            self.router.lora_release = self.lora_registry.release
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
         self.load: dict[str, Any] = {}  # the scheduler's latest load figures
@@ -118,6 +123,11 @@ class Engine(ControlCalls):
     @property
     def vocab_size(self) -> int:
         return self.info["vocab_size"]
+
+    @property
+    def lora_names(self) -> set[str] | None:
+        """The adapters' names, or None when LoRA is off."""
+        return None if self.lora_registry is None else set(self.lora_registry.names)
 
     @property
     def tokenizer(self) -> Any:
@@ -236,8 +246,18 @@ class Engine(ControlCalls):
             logprob_text=logprob_text,
             prompt_ids=list(input_ids) if prompt_ids else None,
         )
-        self.router.register(st)
-        req = GenerateRequest(rid, input_ids, params, priority or 0, extra_key, lora, *logprob)
+        if lora is not None:
+            # counted until the router forgets the request (an unload waits for it)
+            st.lora_id = self.lora_registry.acquire(lora).lora_id
+        try:
+            self.router.register(st)
+        except ValueError:
+            if st.lora_id is not None:
+                self.lora_registry.release(st.lora_id)
+            raise
+        req = GenerateRequest(
+            rid, input_ids, params, priority or 0, extra_key, lora, st.lora_id, *logprob
+        )
         if req.return_logprob:
             st.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
             if req.logprob_start_len >= 0:

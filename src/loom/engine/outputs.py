@@ -46,6 +46,7 @@ class ReqState:
     logprobs: dict[str, list] | None = None  # return_logprob: accumulated meta_info lists
     logprob_text: bool = True  # logprob entries carry their token's text (else None)
     prompt_ids: list[int] | None = None  # return_prompt_token_ids: in every result
+    lora_id: str | None = None  # the adapter reference it runs on (counted in the registry)
     # the queue is a batch's (``wait_all``): a step's outputs for it arrive as one list
     shared: bool = False
 

@@ -30,6 +30,8 @@ class OutputRouter:
         self.control: dict[str, queue.Queue] = {}  # replies to control messages, by id
         self.lock = threading.Lock()
         self.metrics = None  # set by the HTTP server: observe_outputs / observe_load
+        # the LoRA registry's release: a forgotten request no longer holds its adapter
+        self.lora_release: Callable[[str], None] | None = None
 
     def register(self, st: ReqState) -> None:
         with self.lock:
@@ -39,7 +41,9 @@ class OutputRouter:
 
     def forget(self, rid: str) -> None:
         with self.lock:
-            self.states.pop(rid, None)
+            st = self.states.pop(rid, None)
+        if st is not None and st.lora_id is not None and self.lora_release is not None:
+            self.lora_release(st.lora_id)
 
     def all(self) -> list[ReqState]:
         with self.lock:

@@ -79,14 +79,20 @@ def load_adapter(name: str, path: str) -> LoRAAdapter:
             raise ValueError(f"LoRA adapter {name!r}: {key}={cfg[key]!r} is not supported")
     st = os.path.join(path, "adapter_model.safetensors")
     pt = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-
-        weights_file, tensors = st, load_file(st)
-    elif os.path.isfile(pt):
-        weights_file, tensors = pt, torch.load(pt, map_location="cpu", weights_only=True)
-    else:
+    if not os.path.isfile(st) and not os.path.isfile(pt):
         raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path!r}")
+    weights_file = st if os.path.isfile(st) else pt
+    try:
+        if weights_file == st:
+            from safetensors.torch import load_file
+
+            tensors = load_file(st)
+        else:
+            tensors = torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: safetensors, pickle, OS errors
+        raise ValueError(
+            f"LoRA adapter {name!r}: cannot read {weights_file!r}: {type(e).__name__}: {e}"
+        ) from None
     h = hashlib.sha256()
     for file in (cfg_path, weights_file):
         with open(file, "rb") as f:
@@ -128,23 +134,3 @@ def load_adapter(name: str, path: str) -> LoRAAdapter:
         weights[(layer, module)] = (a.contiguous(), (b * scale).contiguous())
     rank = max(a.shape[0] for a, _ in weights.values())
     return LoRAAdapter(name, path, rank, h.hexdigest(), weights)
-
-
-def parse_lora_paths(specs) -> dict[str, str]:
-    """``--lora-paths`` entries: ``name=path`` or a bare path (named after its folder); a dict
-    {name: path} from the Python API is taken as is."""
-    if not specs:
-        return {}
-    if isinstance(specs, dict):
-        return dict(specs)
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = str(spec).partition("=")
-        if not sep:
-            path, name = spec, os.path.basename(os.path.normpath(spec))
-        if not name or not path:
-            raise ValueError(f"--lora-paths entry {spec!r}: expected NAME=PATH or PATH")
-        if name in out:
-            raise ValueError(f"--lora-paths: adapter name {name!r} given twice")
-        out[name] = path
-    return out

@@ -75,12 +75,12 @@ class TritonLoRABackend(LoRABackend):
     name = "triton"
 
     def prepare(self, per_token, device):
-        from loom.lora.triton_ops import make_lora_batch
+        from loom.lora.batch import make_lora_batch
 
         return make_lora_batch(per_token, device)
 
     def graph_batch(self, token_slot):
-        from loom.lora.triton_ops import LoRABatch
+        from loom.lora.batch import LoRABatch
 
         return LoRABatch(token_slot)  # no segments: the gather kernels, whose grid is fixed
 

@@ -1,15 +1,17 @@
-"""Multi-LoRA serving: adapters in host memory, a pool of device slots, and the layers that add
-each token's adapter update to the base projections.
+"""Multi-LoRA serving: the adapters the scheduler knows, a pool of device slots, and the layers
+that add each token's adapter update to the base projections.
 
-- Every adapter named by ``--lora-paths`` is read once into host memory (``adapter.py``).
-- The device holds ``--max-loras-per-batch`` slots. A slot stores one adapter's A and B for every
-  layer's packed projections (qkv, o, gate_up, down), zero-padded to the pool's rank, so one
-  matmul per slot covers all of a packed module's slices. ``B`` is block-diagonal over the
-  slices: rows of q take only the q columns of ``A x``, and so on.
+- Adapters are known by id (``registry.LoRARef``). The ``--lora-paths`` ones are read at start
+  (they size the pool: its rank, and its target modules unless ``--lora-target-modules`` says);
+  the others are read on the loader's thread when loaded while serving (``loader.py``), and
+  kept in host memory as slot rows up to ``--max-loaded-loras``.
+- The device holds ``--max-loras-per-batch`` slots, each one flat row of ``pool.PoolLayout``:
+  every layer's targeted packed projections' A and B.
 - The scheduler ``acquire``s a slot when it admits a request and ``release``s it when the request
-  leaves the running set (finished, aborted, retracted). A request whose adapter has no slot and
-  no free or idle one to take waits in the queue. An idle adapter (no running request) keeps its
-  slot until the ``lora_eviction_policy`` picks it to make room.
+  leaves the running set (finished, aborted, retracted). A request whose adapter is on its way
+  (from disk, or being copied into its slot) waits while the others run; one whose adapter finds
+  every slot held by adapters in use waits until one is idle. An idle adapter keeps its slot
+  until the ``lora_eviction_policy`` picks it to make room; a pinned one keeps it for good.
 - Before each forward the runner hands the batch's per-token slots to ``set_batch``, which the
   ``lora_backend`` member turns into its batch description once; every wrapped projection then
   adds each token's ``B_s (A_s x)`` through that member (``backends.py``: Triton kernels over
@@ -18,23 +20,19 @@ each token's adapter update to the base projections.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 from torch import nn
 
 from loom import plugins
-from loom.lora.adapter import MODULE_SLICES, LoRAAdapter, load_adapter
+from loom.lora.adapter import MODULE_SLICES, LoRAAdapter
+from loom.lora.loader import LoRAOverlapLoader
+from loom.lora.pool import PACKED, PoolLayout
+from loom.lora.registry import LoRARef, parse_lora_paths
 
 logger = logging.getLogger(__name__)
-
-# Loom's packed projections and the PEFT modules that are their slices, in output order.
-PACKED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
 
 
 def _slice_sizes(module: nn.Module, packed: str) -> list[int]:
@@ -77,9 +75,9 @@ _TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up
             ("mlp", "down_proj"))  # fmt: skip
 
 
-def _lora_layers(model: nn.Module) -> list[nn.Module]:
+def _lora_layers(model: nn.Module, packed_targets: list[str]) -> list[nn.Module]:
     """The decoder layers adapters apply to, or a ValueError naming what the model lacks: each
-    layer's attention and dense MLP projections (Loom's own implementations of dense
+    layer's targeted attention and dense MLP projections (Loom's own implementations of dense
     architectures have them; mixture-of-experts layers and the transformers fallback do not)."""
     name = type(model).__name__
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -90,7 +88,7 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
         )
     for i, layer in enumerate(layers):
         for parent, packed in _TARGETS:
-            if not hasattr(getattr(layer, parent, None), packed):
+            if packed in packed_targets and not hasattr(getattr(layer, parent, None), packed):
                 raise ValueError(
                     f"LoRA adapters are not supported on {name}: layer {i} has no "
                     f"{parent}.{packed} (adapters apply to dense attention and MLP projections)"
@@ -98,64 +96,96 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def target_modules(flag, adapters: list[LoRAAdapter]) -> set[str]:
+    """The PEFT modules the pool serves: ``--lora-target-modules`` (PEFT names, Loom's packed
+    names, or ``all``), else every module a start-up adapter targets, else all of them."""
+    if flag:
+        out: set[str] = set()
+        for name in flag:
+            if name == "all":
+                out |= set(MODULE_SLICES)
+            elif name in PACKED:
+                out |= set(PACKED[name])
+            elif name in MODULE_SLICES:
+                out.add(name)
+            else:
+                known = ", ".join([*MODULE_SLICES, *PACKED, "all"])
+                raise ValueError(f"--lora-target-modules: unknown module {name!r}; known: {known}")
+        return out
+    if adapters:
+        return set().union(*(a.target_modules for a in adapters))
+    return set(MODULE_SLICES)
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, args, device: torch.device, dtype: torch.dtype) -> None:
-        """``args``: the LoRA section of the server arguments (``LoRAArgs``)."""
+        """``args``: the LoRA section of the server arguments (``LoRAArgs``). The start-up
+        adapters are read here, on the calling thread: they size the pool (rank, targets)."""
         from loom.distributed import get_tp_size
-        from loom.lora.adapter import parse_lora_paths
+        from loom.lora.adapter import load_adapter
 
         if get_tp_size() > 1:
             raise ValueError("LoRA serving with tensor parallelism is not supported yet")
         self.device, self.dtype = device, dtype
         self.num_slots = args.max_loras_per_batch  # (LoRAArgs checked it is >= 1)
-        self.adapters: dict[str, LoRAAdapter] = {
-            name: load_adapter(name, path)
-            for name, path in parse_lora_paths(args.lora_paths).items()
-        }
-        ranks = [a.rank for a in self.adapters.values()]
-        self.max_rank = args.max_lora_rank or max(ranks, default=16)
-        layers = _lora_layers(model)
+        startup = parse_lora_paths(args.lora_paths)
+        adapters = [load_adapter(r.lora_name, r.lora_path) for r in startup]
+        self.max_rank = args.max_lora_rank or max((a.rank for a in adapters), default=16)
+        self.targets = target_modules(args.lora_target_modules, adapters)
+        packed_targets = [p for p in PACKED if any(m in self.targets for m in PACKED[p])]
+        layers = _lora_layers(model, packed_targets)
         self.num_layers = len(layers)
-        # wrap each layer's packed projections
         self.sizes: dict[str, tuple[int, list[int]]] = {}
         for i, layer in enumerate(layers):
-            for packed, parent in (
-                ("qkv_proj", layer.self_attn),
-                ("o_proj", layer.self_attn),
-                ("gate_up_proj", layer.mlp),
-                ("down_proj", layer.mlp),
-            ):
+            for parent_name, packed in _TARGETS:
+                if packed not in packed_targets:
+                    continue
+                parent = getattr(layer, parent_name)
                 base = getattr(parent, packed)
                 self.sizes[packed] = (base.input_size, _slice_sizes(base, packed))
                 setattr(parent, packed, LoRALinear(base, self, i, packed))
-        for adapter in self.adapters.values():
-            self._check(adapter)
-        r = self.max_rank
-        self.buffers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        for _ in range(self.num_layers):
-            per = {}
-            for packed, (n_in, outs) in self.sizes.items():
-                k = len(outs) * r
-                per[packed] = (
-                    torch.zeros(self.num_slots, k, n_in, device=device, dtype=dtype),
-                    torch.zeros(self.num_slots, sum(outs), k, device=device, dtype=dtype),
-                )
-            self.buffers.append(per)
-        self.slot_names: list[str | None] = [None] * self.num_slots
-        self.refs: dict[str, int] = {}
+        self.layout = PoolLayout(self.num_layers, self.sizes, self.max_rank)
+        self.pool = torch.zeros(self.num_slots, self.layout.numel, device=device, dtype=dtype)
+        self.buffers = self.layout.views(self.pool)
+        self.loader = LoRAOverlapLoader(
+            self.layout,
+            self._check,
+            device,
+            dtype,
+            args.max_loaded_loras,
+            args.lora_eviction_policy,
+        )
+        self.infos: dict[str, LoRARef] = {}  # lora_id -> reference, for every registered adapter
+        self.digests: dict[str, str] = {}  # lora_id -> the checkpoint's digest when registered
+        self.slot_ids: list[str | None] = [None] * self.num_slots
+        self.refs: dict[str, int] = {}  # lora_id -> running requests
         self.policy = plugins.resolve("lora_eviction_policy", args.lora_eviction_policy)()
         self.backend = plugins.resolve("lora_backend", args.lora_backend)()
         self.active = None  # the lora_backend's description of the batch, or None: base model only
+        self.failed: dict[str, str] = {}  # lora_id -> why its last read from disk failed
         self.num_slot_loads = 0
+        for ref, adapter in zip(startup, adapters, strict=True):
+            self._check(adapter)
+            self._register(
+                ref, adapter.digest, self.layout.host_row(adapter, dtype, self.loader.pin)
+            )
+        self.loader.num_disk_reads = len(adapters)
 
     # ---- adapters -------------------------------------------------------------------------
 
     def _check(self, adapter: LoRAAdapter) -> None:
-        """The adapter must fit the model's shapes and the pool's rank."""
+        """The adapter must fit the model's shapes, the pool's rank and its target modules."""
         if adapter.rank > self.max_rank:
             raise ValueError(
                 f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above --max-lora-rank "
                 f"{self.max_rank}"
+            )
+        outside = sorted(adapter.target_modules - self.targets)
+        if outside:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r} targets {', '.join(outside)}, outside the "
+                f"adapter pool's modules ({', '.join(sorted(self.targets))}); start the server "
+                "with --lora-target-modules naming them"
             )
         for (layer, module), (a, b) in adapter.weights.items():
             if layer >= self.num_layers:
@@ -171,96 +201,167 @@ class LoRAManager:
                     f"{b.shape[0]}x{a.shape[1]}, the model's is {outs[j]}x{n_in}"
                 )
 
-    def add(self, name: str, path: str) -> None:
-        """Register an adapter while serving (checked as at start-up; the pool's rank is
-        fixed, so a larger rank is refused)."""
-        if name in self.adapters:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        adapter = load_adapter(name, path)
-        self._check(adapter)
-        self.adapters[name] = adapter
+    def _check_pin(self, ref: LoRARef) -> None:
+        pinned = sum(r.pinned for r in self.infos.values()) + ref.pinned
+        if ref.pinned and pinned > self.num_slots - 1:
+            raise ValueError(
+                f"LoRA adapter {ref.lora_name!r} cannot be pinned: at most "
+                f"--max-loras-per-batch - 1 = {self.num_slots - 1} adapters may be pinned, so "
+                "one slot stays for the others"
+            )
 
-    def remove(self, name: str) -> None:
+    def _register(self, ref: LoRARef, digest: str, row: torch.Tensor) -> None:
+        self._check_pin(ref)
+        self.infos[ref.lora_id] = ref
+        self.digests[ref.lora_id] = digest
+        self.loader.keep(ref.lora_id, row)
+        if ref.pinned:
+            self._place(ref.lora_id)
+
+    def start_load(self, ref: LoRARef, message_id: str) -> str | None:
+        """Begin loading an adapter while serving: read on the loader's thread, registered by
+        ``poll``, which answers ``message_id``. The error now, if it cannot start."""
+        if ref.lora_id in self.infos or self.loader.reading(ref.lora_id):
+            return f"LoRA adapter {ref.lora_name!r} is already loaded"
+        try:
+            self._check_pin(ref)
+        except ValueError as e:
+            return str(e)
+        self.loader.submit(ref, message_id)
+        return None
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """Take the finished disk reads: register loaded adapters, put re-read ones back on the
+        host. Returns (message id, error or None) for each finished load message."""
+        replies = []
+        for read in self.loader.poll():
+            lora_id = read.ref.lora_id
+            if read.purpose is not None:  # a load message
+                error = read.error
+                if error is None:
+                    try:
+                        self._register(read.ref, read.adapter.digest, read.row)
+                    except ValueError as e:
+                        error = str(e)
+                replies.append((read.purpose, error))
+                continue
+            if lora_id not in self.infos:
+                continue  # unloaded while it was read
+            error = read.error
+            if error is None and read.adapter.digest != self.digests[lora_id]:
+                error = f"its files at {read.ref.lora_path!r} changed since it was loaded"
+            if error is None:
+                self.loader.keep(lora_id, read.row)
+            else:
+                self.failed[lora_id] = (
+                    f"LoRA adapter {read.ref.lora_name!r} could not be read again: {error}"
+                )
+                self.loader.wanted.discard(lora_id)
+        return replies
+
+    def remove(self, lora_id: str) -> None:
         """Forget an adapter no request holds, freeing its slot."""
-        if self.refs.get(name):
-            raise RuntimeError(f"LoRA adapter {name!r} is held by running requests")
-        del self.adapters[name]
-        self.refs.pop(name, None)
-        if name in self.slot_names:
-            self.slot_names[self.slot_names.index(name)] = None
-            self.policy.remove(name)
+        if self.refs.get(lora_id):
+            raise RuntimeError(f"LoRA adapter {self.infos[lora_id].lora_name!r} is in use")
+        del self.infos[lora_id]
+        self.digests.pop(lora_id, None)
+        self.refs.pop(lora_id, None)
+        self.failed.pop(lora_id, None)
+        self.loader.drop(lora_id)
+        self.loader.wanted.discard(lora_id)
+        if lora_id in self.slot_ids:
+            self.slot_ids[self.slot_ids.index(lora_id)] = None
+            self.policy.remove(lora_id)
 
-    def cache_namespace(self, name: str, extra_key: str | None) -> str:
-        """The prefix-cache namespace of a request on adapter ``name``: the adapter's content
+    def cache_namespace(self, lora_id: str, extra_key: str | None) -> str:
+        """The prefix-cache namespace of a request on adapter ``lora_id``: the adapter's content
         digest (not its name: the hierarchical cache's storage outlives the process, and a name
         may come back with other weights), then the request's own key."""
-        key = f"lora:{self.adapters[name].digest}"
+        key = f"lora:{self.digests[lora_id]}"
         return key if extra_key is None else f"{key}\x00{extra_key}"
 
-    def has(self, name: str) -> bool:
-        return name in self.adapters
+    def has(self, lora_id: str) -> bool:
+        return lora_id in self.infos
 
     @property
     def names(self) -> list[str]:
-        return list(self.adapters)
+        return sorted(r.lora_name for r in self.infos.values())
+
+    def in_use(self, name: str) -> int:
+        """Running requests on the adapter called ``name``."""
+        return sum(n for i, n in self.refs.items() if self.infos[i].lora_name == name)
 
     # ---- slots ----------------------------------------------------------------------------
 
-    def slot_of(self, name: str) -> int:
-        return self.slot_names.index(name)
+    def slot_of(self, lora_id: str) -> int:
+        return self.slot_ids.index(lora_id)
 
-    def acquire(self, name: str) -> bool:
-        """Count one more running request on ``name``, bringing it into a slot if needed: a free
-        slot, else an idle adapter's (the eviction policy's pick). False when every slot holds
-        an adapter in use: the request waits."""
-        if name in self.slot_names:
-            self.refs[name] = self.refs.get(name, 0) + 1
-            self.policy.mark_used(name)
-            return True
-        if None in self.slot_names:
-            slot = self.slot_names.index(None)
-        else:
-            idle = [n for n in self.slot_names if n is not None and not self.refs.get(n)]
-            if not idle:
-                return False
-            victim = self.policy.select_victim(idle)
-            if victim not in idle:
-                raise RuntimeError(f"lora eviction policy chose {victim!r}, not one of {idle}")
-            slot = self.slot_names.index(victim)
-            self.policy.remove(victim)
-            self.refs.pop(victim, None)
-        self._load(slot, self.adapters[name])
-        self.slot_names[slot] = name
-        self.refs[name] = 1
-        self.policy.mark_used(name)
-        return True
+    def _free_slot(self) -> int | None:
+        """A slot to load into: an empty one, else an idle unpinned adapter's (the eviction
+        policy's pick); None when every slot is busy, pinned or still being written."""
+        ready = [s for s in range(self.num_slots) if s not in self.loader.copying]
+        for s in ready:
+            if self.slot_ids[s] is None:
+                return s
+        idle = [
+            self.slot_ids[s]
+            for s in ready
+            if not self.refs.get(self.slot_ids[s]) and not self.infos[self.slot_ids[s]].pinned
+        ]
+        if not idle:
+            return None
+        victim = self.policy.select_victim(idle)
+        if victim not in idle:
+            raise RuntimeError(f"lora eviction policy chose {victim!r}, not one of {idle}")
+        self.policy.remove(victim)
+        self.refs.pop(victim, None)
+        return self.slot_ids.index(victim)
 
-    def release(self, name: str) -> None:
-        left = self.refs.get(name, 0) - 1
-        if left < 0:
-            raise RuntimeError(f"LoRA adapter {name!r} released more often than acquired")
-        self.refs[name] = left
-
-    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Write the adapter into ``slot``: each module's A rows and B block at its slice's
-        place, zeros elsewhere (padding to the pool's rank, untargeted modules)."""
-        r = self.max_rank
-        for layer in range(self.num_layers):
-            for packed, (a_buf, b_buf) in self.buffers[layer].items():
-                a_buf[slot].zero_()
-                b_buf[slot].zero_()
-                outs = self.sizes[packed][1]
-                for j, module in enumerate(PACKED[packed]):
-                    w = adapter.weights.get((layer, module))
-                    if w is None:
-                        continue
-                    a, b = w
-                    k = a.shape[0]
-                    row = sum(outs[:j])
-                    a_buf[slot, j * r : j * r + k].copy_(a)
-                    b_buf[slot, row : row + outs[j], j * r : j * r + k].copy_(b)
+    def _place(self, lora_id: str) -> bool | None:
+        """Start writing an adapter into a slot: True when it is there (no CUDA), False while
+        it is on its way, None when no slot can take it or its row must come from disk."""
+        row = self.loader.host.get(lora_id)
+        if row is None:
+            if not self.loader.reading(lora_id):
+                self.loader.submit(self.infos[lora_id], None)
+            self.loader.wanted.add(lora_id)
+            return False
+        slot = self._free_slot()
+        if slot is None:
+            return None
+        self.slot_ids[slot] = lora_id
         self.num_slot_loads += 1
-        logger.info("LoRA adapter %r loaded into slot %d", adapter.name, slot)
+        logger.info("LoRA adapter %r loading into slot %d", self.infos[lora_id].lora_name, slot)
+        if self.infos[lora_id].pinned:
+            self.loader.drop(lora_id)  # its slot is its home from now on
+        return self.loader.copy_to_slot(self.pool, slot, row)
+
+    def acquire(self, lora_id: str) -> str:
+        """Count one more running request on the adapter if it is in a ready slot: ``"ready"``.
+        ``"loading"``: it is on its way (from disk, or into its slot): ask again later.
+        ``"busy"``: every slot is held by adapters in use. Raises ValueError when the adapter
+        could not be read again from disk."""
+        if lora_id in self.failed:
+            raise ValueError(self.failed.pop(lora_id))
+        if lora_id not in self.slot_ids:
+            placed = self._place(lora_id)
+            if placed is None:
+                return "busy"
+            if not placed:
+                return "loading"
+        if not self.loader.slot_ready(self.slot_of(lora_id)):
+            return "loading"
+        self.refs[lora_id] = self.refs.get(lora_id, 0) + 1
+        self.policy.mark_used(lora_id)
+        if lora_id in self.loader.host:
+            self.loader.policy.mark_used(lora_id)
+        return "ready"
+
+    def release(self, lora_id: str) -> None:
+        left = self.refs.get(lora_id, 0) - 1
+        if left < 0:
+            raise RuntimeError(f"LoRA adapter {lora_id!r} released more often than acquired")
+        self.refs[lora_id] = left
 
     # ---- batches --------------------------------------------------------------------------
 
@@ -279,3 +380,24 @@ class LoRAManager:
 
     def clear_batch(self) -> None:
         self.active = None
+
+    @contextlib.contextmanager
+    def warmup_adapter(self):
+        """A throwaway adapter of zeros in a free slot, for the start-up warm-up's requests (at
+        most ``num_slots - 1`` adapters are pinned, so a slot is free before serving starts);
+        yields its ref, and leaves no trace."""
+        slot = self.slot_ids.index(None)
+        ref = LoRARef("loom-warmup", "", False, "loom-warmup")
+        self.infos[ref.lora_id], self.digests[ref.lora_id] = ref, "warmup"
+        self.slot_ids[slot] = ref.lora_id
+        self.pool[slot].zero_()
+        try:
+            yield ref
+        finally:
+            self.slot_ids[slot] = None
+            for table in (self.infos, self.digests, self.refs):
+                table.pop(ref.lora_id, None)
+            self.policy.remove(ref.lora_id)
+
+    def close(self) -> None:
+        self.loader.close()

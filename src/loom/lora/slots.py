@@ -1,13 +1,18 @@
 """The scheduler's side of multi-LoRA: which adapter a request names, the device slot it holds
 while it runs, and loading or unloading adapters while serving.
 
-A request is duck-typed: ``rid``, ``lora_name``, ``extra_key`` (the prefix-cache namespace,
-set here) and ``lora_slot`` (-1 while it holds none).
+A request is duck-typed: ``rid``, ``lora_id`` (the adapter's reference id; None: the base
+model), ``lora_name`` (for messages), ``extra_key`` (the prefix-cache namespace, set here) and
+``lora_slot`` (-1 while it holds none).
 """
 
 from __future__ import annotations
 
 _OFF = "LoRA is off: start the engine with --enable-lora or --lora-paths"
+
+
+class LoRAUnavailable(Exception):
+    """The request's adapter could not be brought back from disk."""
 
 
 class LoRASlots:
@@ -23,49 +28,53 @@ class LoRASlots:
     def check(self, req) -> str | None:
         """Why the request cannot be served (its adapter is unknown, or LoRA is off), or None;
         a request with an adapter gets its own prefix-cache namespace."""
-        if req.lora_name is None:
+        if req.lora_id is None:
             return None
         if self.manager is None:
             return "LoRA adapters are not enabled (--lora-paths)"
-        if not self.manager.has(req.lora_name):
+        if not self.manager.has(req.lora_id):
             return self._unknown(req.lora_name)
-        req.extra_key = self.manager.cache_namespace(req.lora_name, req.extra_key)
+        req.extra_key = self.manager.cache_namespace(req.lora_id, req.extra_key)
         return None
 
-    def acquire(self, req) -> bool:
-        """A slot for the request's adapter; False while every slot is busy with others."""
-        if not self.manager.acquire(req.lora_name):
-            return False
-        req.lora_slot = self.manager.slot_of(req.lora_name)
-        return True
+    def acquire(self, req) -> str:
+        """A slot for the request's adapter: ``"ready"`` (it holds the slot now), ``"loading"``
+        (its adapter is on its way: skip it this step) or ``"busy"`` (every slot is held by
+        adapters in use). Raises ``LoRAUnavailable`` when the adapter cannot be read again."""
+        try:
+            state = self.manager.acquire(req.lora_id)
+        except ValueError as e:
+            raise LoRAUnavailable(str(e)) from None
+        if state == "ready":
+            req.lora_slot = self.manager.slot_of(req.lora_id)
+        return state
 
     def release(self, req) -> None:
         if req.lora_slot >= 0:
-            self.manager.release(req.lora_name)
+            self.manager.release(req.lora_id)
             req.lora_slot = -1
 
-    def load(self, name: str, path: str) -> str | None:
-        """Load an adapter while serving; the error message, or None."""
+    def start_load(self, ref, message_id: str) -> str | None:
+        """Begin loading an adapter while serving (answered through ``poll``); the error
+        message if it cannot start, or None."""
         if self.manager is None:
             return _OFF
-        try:
-            self.manager.add(name, path)
-        except (ValueError, OSError) as e:
-            return str(e)
-        return None
+        return self.manager.start_load(ref, message_id)
 
-    def unload(self, name: str, users: list[str]) -> str | None:
+    def poll(self) -> list[tuple[str, str | None]]:
+        """Finished loads: (message id, error or None)."""
+        return [] if self.manager is None else self.manager.poll()
+
+    def unload(self, lora_id: str, name: str, users: list[str]) -> str | None:
         """Unload an adapter that none of ``users`` (the ids of the requests naming it) still
         needs; the error message, or None."""
         if self.manager is None:
             return _OFF
-        if not self.manager.has(name):
+        if not self.manager.has(lora_id):
             return self._unknown(name)
         if users:
-            return (
-                f"LoRA adapter {name!r} is in use by {len(users)} request(s); retry when they end"
-            )
-        self.manager.remove(name)
+            return f"LoRA adapter {name!r} is in use by {len(users)} request(s)"
+        self.manager.remove(lora_id)
         return None
 
     def check_balance(self, owners) -> None:
@@ -75,11 +84,15 @@ class LoRASlots:
         held: dict[str, int] = {}
         for r in owners:
             if r.lora_slot >= 0:
-                held[r.lora_name] = held.get(r.lora_name, 0) + 1
-                if self.manager.slot_names[r.lora_slot] != r.lora_name:
+                held[r.lora_id] = held.get(r.lora_id, 0) + 1
+                if self.manager.slot_ids[r.lora_slot] != r.lora_id:
                     raise AssertionError(
                         f"request {r.rid} holds slot {r.lora_slot} of another adapter"
                     )
         refs = {n: c for n, c in self.manager.refs.items() if c}
         if held != refs:
             raise AssertionError(f"LoRA slots do not balance: held {held}, counted {refs}")
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()

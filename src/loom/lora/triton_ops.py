@@ -26,10 +26,10 @@ Two kernel pairs:
   ``token_slot``, so the grid depends only on the shapes and ``token_slot`` can be a graph's
   static input buffer. Tokens sharing a slot each re-read that slot's A and B (from L2).
 - segment (prefill, SGMV-style): the batch's tokens as runs of one slot (``seg_start``,
-  ``seg_len``, ``seg_slot``, device int32); a program takes a tile of ``BLOCK_T`` tokens of one
-  run and multiplies with ``tl.dot``, so a slot's weights are read once per token tile. Its grid
-  is ``(segments, cdiv(max_seg_len, BLOCK_T), ...)``: the host must know the segments, which
-  suits eager prefill/extend batches, not captured graphs.
+  ``seg_len``, ``seg_slot``, device int32: ``batch.py``'s ``Segments``); a program takes a tile
+  of ``BLOCK_T`` tokens of one run and multiplies with ``tl.dot``, so a slot's weights are read
+  once per token tile. Its grid is ``(segments, cdiv(max_seg_len, BLOCK_T), ...)``: the host
+  must know the segments, which suits eager prefill/extend batches, not captured graphs.
 
 Off CUDA (Triton's interpreter) the dots run in fp32: the interpreter's bf16 ``tl.dot`` returns
 garbage (Triton 3.9).
@@ -49,16 +49,17 @@ launch costs about 40 us of host time, so a host-bound eager step with one adapt
 on the torch path (qkv, 64 tokens: 73 against 100 us).
 
 Slice offsets are kernel scalars (fixed per projection), not a device tensor. The oracle is
-``lora_reference`` (tests/test_lora_triton.py, on CPU under ``TRITON_INTERPRET=1``).
+``lora_reference`` in tests/test_lora_triton.py (on CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
+
+from loom.lora.batch import LoRABatch, Segments
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -66,6 +67,10 @@ MAX_SLICES = 4  # slice offsets travel as the kernel scalars O1..O3
 SEGMENT_MIN_RUN = 4  # lora_shrink_expand: segment kernels at this many tokens per segment
 MAX_SPLITS = 16  # most programs one token's shrink divides ``in`` among
 
+# The split count and the partial sums' stride vary with the batch: specialised on (a value
+# of one, or a multiple of 16) they would compile new variants for batch shapes the start-up
+# warm-up never ran (on the H200 this took the prefill of a first SmolLM2 batch of 64 x 128-token
+# prompts on 8 adapters from 1.70 s to 0.97 s; the base model's takes 0.06 s).
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -77,6 +82,29 @@ if HAS_TRITON:
         return (rows >= O1).to(tl.int32) + (rows >= O2).to(tl.int32) + (rows >= O3).to(tl.int32)
 
     @triton.jit
+    def _expand_rows(
+        nb, slot, Rank, N, R, O1, O2, O3,
+        HAS_RANK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        """An expand program's output rows (block ``nb`` of ``BLOCK_N``, ``nb * BLOCK_N < N``)
+        and rank columns for ``slot`` (not -1): ``rows``, ``row_ok`` (``rows < N``), each row's
+        slice, ``j_lo <= j_hi`` the slices of the block's first and last valid rows, the
+        columns ``c`` of one slice and ``c_ok``, those below the slot's rank (below ``R``
+        without ``HAS_RANK``)."""
+        r0 = nb * BLOCK_N
+        rows = r0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        row_slice = _slice_of(rows, O1, O2, O3)
+        j_lo = _slice_of(r0, O1, O2, O3)
+        j_hi = _slice_of(tl.minimum(r0 + BLOCK_N, N) - 1, O1, O2, O3)
+        c = tl.arange(0, BLOCK_R)
+        if HAS_RANK:
+            c_ok = c < tl.minimum(tl.load(Rank + slot), R)
+        else:
+            c_ok = c < R
+        return rows, row_ok, row_slice, j_lo, j_hi, c, c_ok
+
+    @triton.jit(do_not_specialize=("K_PER_SPLIT", "stride_vs"))
     def _shrink_gather_kernel(
         X, A, Slot, Rank, V, K, R, K_PER_SPLIT,
         stride_xt, stride_as, stride_ar, stride_vs, stride_vt,
@@ -108,7 +136,7 @@ if HAS_TRITON:
                 acc += a.to(tl.float32) * x[None, :]
             tl.store(out, tl.sum(acc, axis=1), mask=c < R)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("NSPLIT", "stride_vs"))
     def _expand_gather_kernel(
         V, B, Slot, Rank, Y, N, R, NSPLIT, O1, O2, O3,
         stride_vs, stride_vt, stride_bs, stride_bn, stride_yt,
@@ -121,17 +149,9 @@ if HAS_TRITON:
         nb = tl.program_id(1)
         slot = tl.load(Slot + t).to(tl.int64)
         if slot >= 0:
-            r0 = nb * BLOCK_N
-            rows = r0 + tl.arange(0, BLOCK_N)
-            row_ok = rows < N
-            row_slice = _slice_of(rows, O1, O2, O3)
-            j_lo = _slice_of(r0, O1, O2, O3)
-            j_hi = _slice_of(tl.minimum(r0 + BLOCK_N, N) - 1, O1, O2, O3)
-            c = tl.arange(0, BLOCK_R)
-            if HAS_RANK:
-                c_ok = c < tl.minimum(tl.load(Rank + slot), R)
-            else:
-                c_ok = c < R
+            rows, row_ok, row_slice, j_lo, j_hi, c, c_ok = _expand_rows(
+                nb, slot, Rank, N, R, O1, O2, O3, HAS_RANK, BLOCK_N, BLOCK_R
+            )
             b_rows = B + slot * stride_bs + rows[:, None] * stride_bn
             d = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in range(j_lo, j_hi + 1):
@@ -146,7 +166,7 @@ if HAS_TRITON:
             y = tl.load(yp, mask=row_ok, other=0.0).to(tl.float32)
             tl.store(yp, (y + d).to(Y.dtype.element_ty), mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("K_PER_SPLIT", "NSPLIT", "stride_vs"))
     def _shrink_segment_kernel(
         X, A, SegStart, SegLen, SegSlot, Rank, V, K, R, K_PER_SPLIT, NSPLIT,
         stride_xt, stride_as, stride_ar, stride_vs, stride_vt,
@@ -192,7 +212,7 @@ if HAS_TRITON:
                 mask=t_ok[:, None] & (c < R)[None, :],
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("NSPLIT", "stride_vs"))
     def _expand_segment_kernel(
         V, B, SegStart, SegLen, SegSlot, Rank, Y, N, R, NSPLIT, O1, O2, O3,
         stride_vs, stride_vt, stride_bs, stride_bn, stride_yt,
@@ -210,17 +230,9 @@ if HAS_TRITON:
             offs = tb * BLOCK_T + tl.arange(0, BLOCK_T)
             t_ok = offs < n
             toks = tl.load(SegStart + g).to(tl.int64) + offs
-            r0 = nb * BLOCK_N
-            rows = r0 + tl.arange(0, BLOCK_N)
-            row_ok = rows < N
-            row_slice = _slice_of(rows, O1, O2, O3)
-            j_lo = _slice_of(r0, O1, O2, O3)
-            j_hi = _slice_of(tl.minimum(r0 + BLOCK_N, N) - 1, O1, O2, O3)
-            c = tl.arange(0, BLOCK_R)
-            if HAS_RANK:
-                c_ok = c < tl.minimum(tl.load(Rank + slot), R)
-            else:
-                c_ok = c < R
+            rows, row_ok, row_slice, j_lo, j_hi, c, c_ok = _expand_rows(
+                nb, slot, Rank, N, R, O1, O2, O3, HAS_RANK, BLOCK_N, BLOCK_R
+            )
             b_rows = B + slot * stride_bs + rows[None, :] * stride_bn  # B^T: [BLOCK_R, BLOCK_N]
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             for j in range(j_lo, j_hi + 1):
@@ -245,59 +257,6 @@ if HAS_TRITON:
             m = t_ok[:, None] & row_ok[None, :]
             y = tl.load(yp, mask=m, other=0.0).to(tl.float32)
             tl.store(yp, (y + acc).to(Y.dtype.element_ty), mask=m)
-
-
-# ---- batch metadata -------------------------------------------------------------------------
-
-
-@dataclass
-class Segments:
-    """Runs of consecutive tokens on one slot (runs of ``-1`` left out), as device int32."""
-
-    start: torch.Tensor  # [G] first token of each run
-    length: torch.Tensor  # [G]
-    slot: torch.Tensor  # [G]
-    max_len: int  # host copy of max(length): the segment kernels' grid
-
-
-@dataclass
-class LoRABatch:
-    """A batch's per-token slots for the kernels: ``token_slot`` [T] int32 on the device (a
-    CUDA graph's static buffer for captured steps), plus its ``segments`` for eager steps
-    (None: the gather kernels at any size, as under a graph)."""
-
-    token_slot: torch.Tensor
-    segments: Segments | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_slot.shape[0]
-
-
-def segments_of(slots: Sequence[int], device: torch.device | str) -> Segments:
-    """The runs of equal non-negative slots in ``slots`` (host ints, one per token)."""
-    start, length, slot = [], [], []
-    prev = -1
-    for t, s in enumerate(slots):
-        if s >= 0 and s == prev:
-            length[-1] += 1
-        elif s >= 0:
-            start.append(t)
-            length.append(1)
-            slot.append(s)
-        prev = s
-    rows = torch.tensor([start, length, slot], dtype=torch.int32).reshape(3, -1)
-    rows = rows.to(device, non_blocking=True)
-    return Segments(rows[0], rows[1], rows[2], max(length, default=0))
-
-
-def make_lora_batch(
-    slots: Sequence[int], device: torch.device | str, *, segments: bool = True
-) -> LoRABatch:
-    """A :class:`LoRABatch` from host per-token slots (``-1``: no adapter); ``segments=False``
-    for a batch that only the gather kernels will see."""
-    token_slot = torch.tensor(list(slots), dtype=torch.int32).to(device, non_blocking=True)
-    return LoRABatch(token_slot, segments_of(slots, device) if segments else None)
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -527,32 +486,3 @@ def lora_shrink_expand(
     return _expand_partials(
         v, b_buf, batch.token_slot, _offsets_of(slice_sizes), y, segs, slot_ranks, None
     )
-
-
-def lora_reference(
-    x: torch.Tensor,
-    a_buf: torch.Tensor,
-    b_buf: torch.Tensor,
-    token_slot: torch.Tensor,
-    slice_sizes: Sequence[int],
-    slot_ranks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The update ``delta [T, out]`` (fp32) the kernels add to ``y``, in plain PyTorch: per slot,
-    per slice, only the slice's diagonal block of B (and with ``slot_ranks`` only the first
-    ``rank`` rows/columns of each slice), so it ignores whatever the rest of the pool holds."""
-    num_slices = len(slice_sizes)
-    r = a_buf.shape[1] // num_slices
-    offs = _offsets_of(slice_sizes)
-    xf = x.float()
-    delta = torch.zeros(x.shape[0], b_buf.shape[1], device=x.device, dtype=torch.float32)
-    slots = token_slot.long()
-    for s in torch.unique(slots).tolist():
-        if s < 0:
-            continue
-        idx = torch.nonzero(slots == s).flatten()
-        k = r if slot_ranks is None else min(r, int(slot_ranks[s]))
-        for j, size in enumerate(slice_sizes):
-            a = a_buf[s, j * r : j * r + k].float()  # [k, in]
-            b = b_buf[s, offs[j] : offs[j] + size, j * r : j * r + k].float()  # [size, k]
-            delta[idx, offs[j] : offs[j] + size] = (xf[idx] @ a.t()) @ b.t()
-    return delta

@@ -60,7 +60,9 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
                 if outputs:
                     emit(SchedulerBatchOut(outputs, scheduler_stats(sched)))
             elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
-                emit(SchedulerBatchOut([_lora(sched, msg)], scheduler_stats(sched)))
+                reply = _lora(sched, msg)
+                if reply is not None:
+                    emit(SchedulerBatchOut([reply], scheduler_stats(sched)))
             elif isinstance(msg, UpdateWeights):
                 emit(SchedulerBatchOut(_update_weights(sched, msg), scheduler_stats(sched)))
             elif isinstance(msg, Abort):
@@ -74,6 +76,9 @@ def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
                 logger.error("unknown scheduler message %r", msg)
         if stop:
             return
+        loaded = [_reply(mid, error) for mid, error in sched.lora.poll()]
+        if loaded:
+            emit(SchedulerBatchOut(loaded, scheduler_stats(sched)))
         outputs = sched.step() if sched.has_work else []
         now = time.monotonic()
         if outputs or now - last_emit > stats_interval:
@@ -97,16 +102,24 @@ def _update_weights(sched, msg: UpdateWeights) -> list[ReqOutput]:
     return [*outputs, ReqOutput(msg.id, [], 0, 0, 0, reason, error)]
 
 
-def _lora(sched, msg: LoadLoRA | UnloadLoRA) -> ReqOutput:
-    """Load or unload an adapter; the reply for the message's id (its error, if it failed)."""
+def _lora(sched, msg: LoadLoRA | UnloadLoRA) -> ReqOutput | None:
+    """Unload an adapter, or begin loading one; the reply for the message's id (its error, if
+    it failed), or None while a load is under way (``sched.lora.poll`` answers it)."""
     kind = "load_lora" if isinstance(msg, LoadLoRA) else "unload_lora"
     try:
         if isinstance(msg, LoadLoRA):
-            error = sched.lora.load(msg.name, msg.path)
+            error = sched.lora.start_load(msg.ref, msg.id)
+            if error is None:
+                return None
         else:
-            error = sched.unload_lora(msg.name)
+            error = sched.unload_lora(msg.lora_id, msg.name)
     except Exception as e:  # noqa: BLE001 - a bad control message ends only itself
-        logger.exception("%s %r failed", kind, msg.name)
-        error = f"{kind} {msg.name!r} failed: {type(e).__name__}: {e}"
+        name = msg.ref.lora_name if isinstance(msg, LoadLoRA) else msg.name
+        logger.exception("%s %r failed", kind, name)
+        error = f"{kind} {name!r} failed: {type(e).__name__}: {e}"
+    return _reply(msg.id, error)
+
+
+def _reply(message_id: str, error: str | None) -> ReqOutput:
     reason = {"type": "stop"} if error is None else {"type": "abort", "message": error}
-    return ReqOutput(msg.id, [], 0, 0, 0, reason, error)
+    return ReqOutput(message_id, [], 0, 0, 0, reason, error)

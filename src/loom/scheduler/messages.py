@@ -26,6 +26,7 @@ class GenerateRequest:
     priority: int = 0
     extra_key: str | None = None  # a prefix-cache namespace (cache_salt; the LoRA adapter)
     lora_name: str | None = None
+    lora_id: str | None = None  # the adapter's reference (``lora.registry.LoRARef``)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
@@ -49,14 +50,16 @@ class FlushCache:
 
 @dataclass(frozen=True)
 class LoadLoRA:
+    """Load an adapter while serving; answered once it is read and registered (or refused)."""
+
     id: str
-    name: str
-    path: str
+    ref: Any  # ``lora.registry.LoRARef``
 
 
 @dataclass(frozen=True)
 class UnloadLoRA:
     id: str
+    lora_id: str
     name: str
 
 

@@ -20,7 +20,7 @@ import torch
 
 from loom import plugins
 from loom.config import device_defaults
-from loom.lora.slots import LoRASlots
+from loom.lora.slots import LoRASlots, LoRAUnavailable
 from loom.sampling.batch_sampler import BatchSampler
 from loom.scheduler.admission import peak_pages
 from loom.scheduler.cache import CacheManager
@@ -47,7 +47,7 @@ class ExtendItem:
 
 class PrefillManager:
     """``args``: the scheduler section of the server arguments (``SchedulerArgs``); ``seed``:
-    the schedule policy's. ``on_error(req, exc)`` fails one request whose admission raised;
+    the schedule policy's. ``on_error(req, exc or message)`` fails one request whose admission raised;
     ``apply(rows)`` applies a step's (request, token, logprob) rows and returns the outputs."""
 
     def __init__(
@@ -58,7 +58,7 @@ class PrefillManager:
         runner,
         decode: DecodeManager,
         lora: LoRASlots,
-        on_error: Callable[[Req, BaseException], None],
+        on_error: Callable[[Req, BaseException | str], None],
         cache: CacheManager,
         sampler: BatchSampler,
         stats: SchedulerStats,
@@ -211,12 +211,19 @@ class PrefillManager:
                     cand = (req.seq_len, self._growth_left(req), shared)
                     if not self._fits_at_peak(running_rows, [it.req for it in items], cand, shared):
                         break
-                if req.lora_name is not None and (lora_blocked or not self.lora.acquire(req)):
-                    # Every adapter slot is busy with other running adapters. Base-model requests
-                    # may pass it, adapter requests may not: the adapters holding the slots then
-                    # drain, and this one gets a slot (no adapter starves behind a busy one).
-                    lora_blocked = True
-                    continue
+                if req.lora_id is not None:
+                    if lora_blocked:
+                        continue
+                    state = self.lora.acquire(req)
+                    if state == "loading":
+                        continue  # its adapter is on its way; the others run meanwhile
+                    if state == "busy":
+                        # Every adapter slot is busy with other running adapters. Base-model
+                        # requests may pass it, adapter requests may not: the adapters holding
+                        # the slots then drain, and this one gets a slot (no adapter starves
+                        # behind a busy one).
+                        lora_blocked = True
+                        continue
                 cache.alloc_row(req)
                 evictable_before = cache.evictable_pages()
                 cache.use_prefix(req, slots, node)
@@ -234,6 +241,8 @@ class PrefillManager:
                 if req.kv_len + n < req.seq_len:
                     self.chunked_req = req
                     break
+            except LoRAUnavailable as e:
+                self.on_error(req, str(e))
             except Exception as e:  # noqa: BLE001 - this request's arithmetic or state
                 self.on_error(req, e)
         return items

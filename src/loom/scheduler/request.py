@@ -21,11 +21,14 @@ class Req:
         priority: int = 0,
         extra_key: str | None = None,
         lora_name: str | None = None,
+        lora_id: str | None = None,
     ) -> None:
         self.rid = rid
-        # LoRA adapter (by name; None: the base model) and its device slot while running (-1:
-        # none held). Its KV is the adapter's own: the scheduler puts the adapter's identity
-        # into the prefix-cache namespace (``LoRAManager.cache_namespace``).
+        # LoRA adapter (its reference id, and its name for messages; None: the base model) and
+        # its device slot while running (-1: none held). Its KV is the adapter's own: the
+        # scheduler puts the adapter's digest into the prefix-cache namespace
+        # (``LoRAManager.cache_namespace``).
+        self.lora_id = lora_id
         self.lora_name = lora_name
         self.lora_slot = -1
         # Scheduling priority (``--schedule-policy priority``; higher runs first) and the prefix
@@ -80,7 +83,9 @@ class Req:
 
     @classmethod
     def from_message(cls, m: GenerateRequest) -> Req:
-        req = cls(m.rid, m.input_ids, m.sampling_params, m.priority, m.extra_key, m.lora_name)
+        req = cls(
+            m.rid, m.input_ids, m.sampling_params, m.priority, m.extra_key, m.lora_name, m.lora_id
+        )
         req.return_logprob, req.top_logprobs_num = m.return_logprob, m.top_logprobs_num
         req.logprob_start_len, req.token_ids_logprob = m.logprob_start_len, m.token_ids_logprob
         return req

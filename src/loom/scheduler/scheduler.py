@@ -92,6 +92,7 @@ class Scheduler:
     def close(self) -> None:
         self.cache.close()
         self.grammar_queue.close()
+        self.lora.close()
 
     def reset_after_warmup(self) -> None:
         """Counters from zero and the admission estimate from its start (the warm-up's
@@ -158,10 +159,10 @@ class Scheduler:
             or self.grammar_queue
         )
 
-    def unload_lora(self, name: str) -> str | None:
+    def unload_lora(self, lora_id: str, name: str) -> str | None:
         """Unload an adapter no queued or running request uses; the error message, or None."""
-        users = [r.rid for r in self._owners(self.grammar_queue) if r.lora_name == name]
-        return self.lora.unload(name, users)
+        users = [r.rid for r in self._owners(self.grammar_queue) if r.lora_id == lora_id]
+        return self.lora.unload(lora_id, name, users)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only when idle (running requests may hold matched paths)."""

@@ -207,8 +207,13 @@ def router(ctx: ServerContext) -> APIRouter:
         for key in ("lora_name", "lora_path"):
             if not isinstance(body.get(key), str) or not body[key]:
                 raise bad(f"load_lora_adapter needs a non-empty string {key!r}", key)
+        pinned = body.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise bad("pinned must be true or false", "pinned")
         try:
-            await asyncio.to_thread(engine.load_lora_adapter, body["lora_name"], body["lora_path"])
+            await asyncio.to_thread(
+                engine.load_lora_adapter, body["lora_name"], body["lora_path"], pinned
+            )
         except ValueError as e:
             raise value_error(e) from e
         return {"success": True, "loaded_adapters": adapters()}
