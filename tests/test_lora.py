@@ -104,13 +104,10 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 81], [11, 12, 13, 14, 15, 16,
 
 
 def _engine(base, paths, **kw):
+    """``paths``: {name: path}, or ``--lora-paths`` entries as they are."""
     kw = {"max_total_tokens": 2048, **kw}
-    return loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        lora_paths=[f"{n}={p}" for n, p in paths.items()],
-        **kw,
-    )
+    specs = paths if isinstance(paths, list) else [f"{n}={p}" for n, p in paths.items()]
+    return loom.Engine(model=base, skip_tokenizer_init=True, lora_paths=specs, **kw)
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
@@ -284,13 +281,7 @@ def test_adapters_load_and_unload_while_serving(lora_setup, peft_ref):
     import threading
 
     base, paths = lora_setup
-    with loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        max_total_tokens=2048,
-        enable_lora=True,
-        max_lora_rank=4,
-    ) as e:
+    with _engine(base, [], enable_lora=True, max_lora_rank=4) as e:
         e.load_lora_adapter("a", paths["a"])
         out = e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="a")
         assert out["output_ids"] == peft_ref("a", PROMPTS[0])[0]

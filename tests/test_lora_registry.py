@@ -12,7 +12,14 @@ import pytest
 
 import loom
 from loom.lora.registry import parse_lora_paths
-from tests.test_lora import GREEDY, PROMPTS, _make_adapter, lora_setup, peft_ref  # noqa: F401
+from tests.test_lora import (  # noqa: F401
+    GREEDY,
+    PROMPTS,
+    _engine,
+    _make_adapter,
+    lora_setup,
+    peft_ref,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +83,9 @@ def test_more_adapters_than_slots_and_host_memory(lora_setup, peft_ref, third): 
     c_path, c_ref = third
     pinned = json.dumps({"lora_name": "b", "lora_path": paths["b"], "pinned": True})
     jobs = [(p, lo) for lo in ("a", "c", "b", None, "c", "a") for p in PROMPTS]
-    with loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        max_total_tokens=4096,
-        lora_paths=[f"a={paths['a']}", pinned, f"c={c_path}"],
-        max_loras_per_batch=2,
-        max_loaded_loras=1,
+    specs = [f"a={paths['a']}", pinned, f"c={c_path}"]
+    with _engine(
+        base, specs, max_total_tokens=4096, max_loras_per_batch=2, max_loaded_loras=1
     ) as e:
         m = e.runner.lora_manager
         b_id = next(i for i, r in m.infos.items() if r.lora_name == "b")
@@ -107,14 +110,7 @@ def test_more_adapters_than_slots_and_host_memory(lora_setup, peft_ref, third): 
 
 def test_pinning_is_bounded_and_pinned_adapters_keep_their_slot(lora_setup, peft_ref):  # noqa: F811
     base, paths = lora_setup
-    with loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        max_total_tokens=2048,
-        enable_lora=True,
-        max_lora_rank=8,
-        max_loras_per_batch=2,
-    ) as e:
+    with _engine(base, [], enable_lora=True, max_lora_rank=8, max_loras_per_batch=2) as e:
         e.load_lora_adapter("a", paths["a"], pinned=True)
         with pytest.raises(ValueError, match="at most --max-loras-per-batch - 1 = 1"):
             e.load_lora_adapter("b2", paths["b"], pinned=True)
@@ -132,14 +128,8 @@ def test_target_modules_size_the_pool(lora_setup, peft_ref):  # noqa: F811
     """--lora-target-modules decides which projections carry adapters: an adapter within them
     serves peft's tokens, one beyond them is refused naming the modules."""
     base, paths = lora_setup
-    with loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        max_total_tokens=2048,
-        enable_lora=True,
-        max_lora_rank=8,
-        lora_target_modules=["qkv_proj", "down_proj"],
-    ) as e:
+    targets = ["qkv_proj", "down_proj"]
+    with _engine(base, [], enable_lora=True, max_lora_rank=8, lora_target_modules=targets) as e:
         m = e.runner.lora_manager
         assert set(m.sizes) == {"qkv_proj", "down_proj"}
         with pytest.raises(ValueError, match="targets gate_proj, o_proj, up_proj, outside"):
@@ -166,14 +156,7 @@ def test_a_load_runs_beside_the_batch_and_a_corrupt_one_leaves_the_server_servin
     shutil.copytree(paths["a"], corrupt)
     weights = corrupt / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[: os.path.getsize(weights) // 2])
-    with loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        max_total_tokens=2048,
-        lora_paths=[f"a={paths['a']}"],
-        max_lora_rank=8,
-        lora_target_modules=["all"],
-    ) as e:
+    with _engine(base, {"a": paths["a"]}, max_lora_rank=8, lora_target_modules=["all"]) as e:
         loader = e.runner.lora_manager.loader
         read = loader._read
         reading, release = threading.Event(), threading.Event()
@@ -212,14 +195,8 @@ def test_an_adapter_gone_from_disk_fails_its_requests_alone(lora_setup, peft_ref
     base, paths = lora_setup
     gone = tmp_path / "gone"
     shutil.copytree(paths["a"], gone)
-    with loom.Engine(
-        model=base,
-        skip_tokenizer_init=True,
-        max_total_tokens=2048,
-        lora_paths=[f"gone={gone}", f"b={paths['b']}"],
-        max_loaded_loras=1,
-        max_loras_per_batch=1,
-    ) as e:
+    specs = {"gone": str(gone), "b": paths["b"]}
+    with _engine(base, specs, max_loaded_loras=1, max_loras_per_batch=1) as e:
         m = e.runner.lora_manager
         gone_id = next(i for i, r in m.infos.items() if r.lora_name == "gone")
         assert gone_id not in m.loader.host  # b's row evicted it at start
