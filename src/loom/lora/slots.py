@@ -61,6 +61,11 @@ class LoRASlots:
             return _OFF
         return self.manager.start_load(ref, message_id)
 
+    @property
+    def loading(self) -> bool:
+        """Whether adapters are being read from disk."""
+        return self.manager is not None and self.manager.loader.busy
+
     def poll(self) -> list[tuple[str, str | None]]:
         """Finished loads: (message id, error or None)."""
         return [] if self.manager is None else self.manager.poll()

@@ -159,6 +159,20 @@ class Scheduler:
             or self.grammar_queue
         )
 
+    @property
+    def waiting_on_loads(self) -> bool:
+        """Nothing runs or is in flight while adapters are read from disk: what is queued waits
+        for them, so the loop may sleep until a read ends or a message comes."""
+        return (
+            self.lora.loading
+            and not self.decode.running
+            and self.decode.inflight is None
+            and self.prefill.inflight is None
+            and self.prefill.chunked_req is None
+            and not self._aborts
+            and not self.grammar_queue
+        )
+
     def unload_lora(self, lora_id: str, name: str) -> str | None:
         """Unload an adapter no queued or running request uses; the error message, or None."""
         users = [r.rid for r in self._owners(self.grammar_queue) if r.lora_id == lora_id]
