@@ -68,7 +68,7 @@ def test_lora_paths_forms():
     ):
         with pytest.raises(ValueError, match=match):
             parse_lora_paths(bad)
-    from loom.config.sections import LoRAArgs
+    from loom.config import LoRAArgs
 
     with pytest.raises(ValueError, match="unknown keys"):
         LoRAArgs(lora_paths=['{"lora_name": "c", "lora_path": "/z", "x": 1}'])

@@ -8,12 +8,12 @@ engine state, kept elsewhere; these objects never change after construction.
 """
 
 from loom.config.http_args import HTTPArgs
+from loom.config.lora_args import LoRAArgs
 from loom.config.sections import (
     DEFAULT_MODEL,
     CacheArgs,
     GrammarArgs,
     KernelArgs,
-    LoRAArgs,
     ModelArgs,
     SamplingArgs,
     SchedulerArgs,

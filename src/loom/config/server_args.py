@@ -1,5 +1,5 @@
-"""``ServerArgs`` (the frozen sections of ``sections.py`` and ``http_args.py``, built from flat flag-named keyword
-arguments), the CLI generated from the sections, and the device-dependent defaults."""
+"""``ServerArgs`` (the frozen sections of ``sections.py``, ``http_args.py`` and
+``lora_args.py``, built from flat flag-named keyword arguments), the CLI generated from the sections, and the device-dependent defaults."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.config.http_args import HTTPArgs
+from loom.config.lora_args import LoRAArgs
 from loom.config.sections import (
     CacheArgs,
     GrammarArgs,
     KernelArgs,
-    LoRAArgs,
     ModelArgs,
     SamplingArgs,
     SchedulerArgs,

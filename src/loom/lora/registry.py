@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 
-from loom.config.lora_paths import LoRARef, parse_lora_paths
+from loom.config.lora_args import LoRARef, parse_lora_paths
 
 __all__ = ["LoRARef", "LoRARegistry", "parse_lora_paths"]
 

@@ -149,28 +149,23 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(
-            self.prefill.waiting
-            or self.decode.running
-            or self.prefill.chunked_req
-            or self._aborts
-            or self.decode.inflight is not None
-            or self.prefill.inflight is not None
-            or self.grammar_queue
-        )
+        return bool(self.prefill.waiting) or self._busy
 
     @property
     def waiting_on_loads(self) -> bool:
         """Nothing runs or is in flight while adapters are read from disk: what is queued waits
         for them, so the loop may sleep until a read ends or a message comes."""
-        return (
-            self.lora.loading
-            and not self.decode.running
-            and self.decode.inflight is None
-            and self.prefill.inflight is None
-            and self.prefill.chunked_req is None
-            and not self._aborts
-            and not self.grammar_queue
+        return self.lora.loading and not self._busy
+
+    @property
+    def _busy(self) -> bool:
+        return bool(
+            self.decode.running
+            or self.prefill.chunked_req
+            or self._aborts
+            or self.decode.inflight is not None
+            or self.prefill.inflight is not None
+            or self.grammar_queue
         )
 
     def unload_lora(self, lora_id: str, name: str) -> str | None:
