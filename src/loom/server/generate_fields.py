@@ -1,5 +1,5 @@
-"""SGLang's ``/generate`` body, field by field (every field of ``GenerateReqInput`` in the SGLang
-release named by ``SGLANG_RELEASE``): what Loom does with each. Every field is accepted by name (an unknown one is a 400 that names it):
+"""SGLang's ``/generate`` body (every field of its ``GenerateReqInput``), field by field: what
+Loom does with each. Every field is accepted by name (an unknown one is a 400 that names it):
 
 - ``USED``: honoured as SGLang honours it.
 - ``NO_EFFECT``: accepted and ignored, because it does not change what is generated: metadata
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 USED, NO_EFFECT, REFUSED = "used", "no effect", "refused"
-SGLANG_RELEASE = "0.5.23"
 
 _TEXT_ONLY = "Loom serves text models"
 _PD = "prefill-decode disaggregation is not supported"
