@@ -76,15 +76,12 @@ class LoRAOverlapLoader:
 
     # ---- disk to host ---------------------------------------------------------------------
 
-    def read_now(self, ref: LoRARef) -> tuple[LoRAAdapter, torch.Tensor]:
-        """Read, check and lay out an adapter on the calling thread (start-up)."""
+    def _read(self, ref: LoRARef) -> tuple[LoRAAdapter, torch.Tensor]:
+        """Read, check and lay out an adapter (on the reader thread)."""
         adapter = load_adapter(ref.lora_name, ref.lora_path)
         self.check(adapter)
         self.num_disk_reads += 1
         return adapter, self.layout.host_row(adapter, self.dtype, self.pin)
-
-    def _read(self, ref: LoRARef) -> tuple[LoRAAdapter, torch.Tensor]:
-        return self.read_now(ref)
 
     def submit(self, ref: LoRARef, purpose: object) -> None:
         """Start reading ``ref`` on the background thread; ``poll`` returns it when done."""
