@@ -135,6 +135,22 @@ def test_fp32_matches_reference(sizes, r, t, path):
     torch.testing.assert_close(v, vr, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [ops.SPLIT_CHUNK + 4, 2 * ops.SPLIT_CHUNK])
+def test_gather_expand_reads_splits_in_chunks(splits):
+    """More partial sums than the gather expand reads in one load, each of one 16-feature
+    chunk of ``in``: the sum is the reference's."""
+    sizes, r, t, n_in = [32, 16, 16], 8, 5, 16 * splits
+    a, b = make_pool(SLOTS, n_in, sizes, r)
+    slots = token_slots(t, SLOTS, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(t, n_in, generator=gen).to(DEV)
+    y0 = torch.randn(t, sum(sizes), generator=gen).to(DEV)
+    y = y0.clone()
+    run("gather", x, y, a, b, slots, sizes, splits=splits)
+    ts = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    torch.testing.assert_close(y, y0 + lora_reference(x, a, b, ts, sizes), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["gather", "segment"])
 def test_mixed_ranks_skip_padding(path):
     """With slot_ranks the padding (GARBAGE here) is never read."""
@@ -270,3 +286,17 @@ class TestCuda:
             torch.cuda.synchronize()
             ref = y0.float() + lora_reference(x, a, b, batch.token_slot, self.SIZES)
             torch.testing.assert_close(y.float(), ref, **self.TOL)
+
+
+@pytest.mark.parametrize("runs", [1, 2, 3, 5, 64])
+def test_segment_rows_are_16_byte_aligned(runs):
+    """Triton specialises pointers on 16-byte alignment: the segment rows must be aligned for
+    any number of runs, or a batch compiles kernel variants the warm-up's did not."""
+    slots = [i % 3 for i in range(runs) for _ in range(2)]
+    segs = segments_of(slots, "cpu")
+    assert segs.start.shape[0] == runs
+    for row in (segs.start, segs.length, segs.slot):
+        assert row.data_ptr() % 16 == 0
+    assert segs.length.tolist() == [2] * runs
+    assert segs.start.tolist() == list(range(0, 2 * runs, 2))
+    assert segs.slot.tolist() == [i % 3 for i in range(runs)]

@@ -46,8 +46,9 @@ def warm_up(sched) -> None:
         lora = sched.lora.manager
         if lora is not None and lora.device.type == "cuda":
             # The LoRA kernels outside the graphs (prefill, mixed steps) specialise on their
-            # token tile (runs of 1-16, 17-32, longer) and split counts: a first 8B batch of
-            # 64 x 128-token prompts on adapters paid 2.4 s compiling them on the H200.
+            # token tile (runs of 1-16, 17-32, longer) and the gather expand on whether a step
+            # has more than SPLIT_CHUNK splits: a first 8B batch of 64 x 128-token prompts on
+            # adapters paid 2.4 s compiling them on the H200.
             with lora.warmup_adapter() as ref:
                 _run(sched, [(n, greedy) for n in (1, 16, 21, 40, 130)], vocab, ref)
     sched.reset_after_warmup()

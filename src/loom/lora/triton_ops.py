@@ -65,12 +65,17 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 MAX_SLICES = 4  # slice offsets travel as the kernel scalars O1..O3
 SEGMENT_MIN_RUN = 4  # lora_shrink_expand: segment kernels at this many tokens per segment
-MAX_SPLITS = 16  # most programs one token's shrink divides ``in`` among
+MAX_SPLITS = 16  # most programs a segment's token tile divides ``in`` among
+GATHER_MAX_SPLITS = 64  # most programs one token's shrink divides ``in`` among
+# Partial sums the gather expand loads at once (unrolled). Measured on the H200
+# (bench/lora_kernels.py --graph, Llama-3-8B shapes, us): at 1 token (16-56 splits) unrolled
+# loads and up to 64 splits take down_proj's update from 10.6 to 8.1 over the base matmul; at
+# 64 tokens (2-5 splits) they time the same as loads one at a time.
+SPLIT_CHUNK = 8
 
 # The split count and the partial sums' stride vary with the batch: specialised on (a value
 # of one, or a multiple of 16) they would compile new variants for batch shapes the start-up
-# warm-up never ran (on the H200 this took the prefill of a first SmolLM2 batch of 64 x 128-token
-# prompts on 8 adapters from 1.70 s to 0.97 s; the base model's takes 0.06 s).
+# warm-up never ran, inside a first request's prefill (0.2-0.6 s a kernel on the H200).
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -141,10 +146,13 @@ if HAS_TRITON:
         V, B, Slot, Rank, Y, N, R, NSPLIT, O1, O2, O3,
         stride_vs, stride_vt, stride_bs, stride_bn, stride_yt,
         HAS_RANK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        SPLIT_CHUNK: tl.constexpr,
     ):  # fmt: skip
         # program (token t, rows block nb): for each slice j the block's rows touch,
         # y[t, rows of j] += B[slot, rows of j, j*R + c] . v[t, j*R + c]: every row reads its own
-        # slice's R columns only, and v (summed over the splits) once per slice.
+        # slice's R columns only, and v (summed over the splits) once per slice. The splits are
+        # read SPLIT_CHUNK at a time by unrolled loads, so a one-token step (up to
+        # GATHER_MAX_SPLITS splits) does not wait on one load after another.
         t = tl.program_id(0).to(tl.int64)
         nb = tl.program_id(1)
         slot = tl.load(Slot + t).to(tl.int64)
@@ -157,8 +165,13 @@ if HAS_TRITON:
             for j in range(j_lo, j_hi + 1):
                 cols = j * R + c
                 v = tl.zeros([BLOCK_R], dtype=tl.float32)
-                for sp in range(0, NSPLIT):
-                    v += tl.load(V + sp * stride_vs + t * stride_vt + cols, mask=c_ok, other=0.0)
+                for sp0 in range(0, NSPLIT, SPLIT_CHUNK):
+                    for u in tl.static_range(SPLIT_CHUNK):
+                        v += tl.load(
+                            V + (sp0 + u) * stride_vs + t * stride_vt + cols,
+                            mask=c_ok & (c * 0 + sp0 + u < NSPLIT),
+                            other=0.0,
+                        )
                 m = (row_ok & (row_slice == j))[:, None] & c_ok[None, :]
                 b = tl.load(b_rows + cols[None, :], mask=m, other=0.0)
                 d += tl.sum(b.to(tl.float32) * v[None, :], axis=1)
@@ -273,12 +286,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _num_splits(programs: int, k: int, block_k: int, device: torch.device) -> int:
+def _num_splits(
+    programs: int, k: int, block_k: int, device: torch.device, cap: int = MAX_SPLITS
+) -> int:
     """How many programs share one ``in`` reduction: enough that about two programs per SM run
-    (one on CPU), at most one per ``block_k`` chunk and at most ``MAX_SPLITS`` (the expand reads
+    (one on CPU), at most one per ``block_k`` chunk and at most ``cap`` (the expand reads
     every split)."""
     want = triton.cdiv(2 * _sm_count(device), max(programs, 1))
-    return max(1, min(want, triton.cdiv(k, block_k), MAX_SPLITS))
+    return max(1, min(want, triton.cdiv(k, block_k), cap))
 
 
 def _block_t(max_len: int) -> int:
@@ -339,7 +354,7 @@ def _shrink_partials(
     if segments is None:
         block_r = triton.next_power_of_2(r)
         bk = block_k or min(256, triton.next_power_of_2(k))
-        splits = num_splits or _num_splits(t_count * num_slices, k, bk, x.device)
+        splits = num_splits or _num_splits(t_count * num_slices, k, bk, x.device, GATHER_MAX_SPLITS)
         k_per = triton.cdiv(triton.cdiv(k, splits), bk) * bk
         v = torch.empty(splits, t_count, num_slices * r, device=x.device, dtype=torch.float32)
         if t_count:
@@ -402,7 +417,8 @@ def _expand_partials(
         _expand_gather_kernel[(t_count, triton.cdiv(n, bn))](
             v, b_buf, token_slot, rank_arg, y, n, r, v.shape[0], o1, o2, o3,
             v.stride(0), v.stride(1), b_buf.stride(0), b_buf.stride(1), y.stride(0),
-            HAS_RANK=has_rank, BLOCK_N=bn, BLOCK_R=triton.next_power_of_2(r), num_warps=4,
+            HAS_RANK=has_rank, BLOCK_N=bn, BLOCK_R=triton.next_power_of_2(r),
+            SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4,
         )  # fmt: skip
         return y
     block_t, bn = _block_t(segments.max_len), block_n or 128
