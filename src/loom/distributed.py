@@ -1,13 +1,54 @@
-"""Tensor-parallel state. Loom runs one scheduler process per TP rank; at tp_size 1 (the only size
-wired up so far) every collective below is the identity, so models never branch on TP."""
+"""Tensor-parallel state. Loom runs one process per TP rank (``model_executor/tp.py``); at
+tp_size 1 every collective below is the identity, so models never branch on TP.
+
+Two process groups: the data group (NCCL on CUDA, gloo on CPU; its collectives time out after
+``--dist-timeout``) carries the model's all-reduces and gathers and each step's tensors, and the
+control group (gloo, no practical timeout: a worker waits there while the server is idle) carries
+the pickled calls rank 0 sends every rank."""
 
 from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
 
 import torch
 
 _tp_rank = 0
 _tp_size = 1
 _tp_group = None
+_ctrl_group = None
+
+
+def init_distributed(
+    rank: int, size: int, init_addr: str, device: torch.device, timeout_s: int
+) -> None:
+    """Join the ``size`` ranks meeting at ``init_addr`` (``HOST:PORT``) as ``rank`` and make
+    them the tensor-parallel group."""
+    global _ctrl_group
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{init_addr}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    _ctrl_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    set_tp(rank, size, None)
+
+
+def ctrl_group():
+    return _ctrl_group
+
+
+def close_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tp(0, 1, None)
 
 
 def get_tp_rank() -> int:
@@ -36,6 +77,35 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=dim)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """One rank's attention heads: ``num_heads`` query heads from ``q_start`` and
+    ``num_kv_heads`` KV heads from ``kv_start`` (indices into the model's heads)."""
+
+    num_heads: int
+    q_start: int
+    num_kv_heads: int
+    kv_start: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadShard:
+    """``rank``'s heads of ``size``. KV heads are spread as evenly as possible (the first
+    ``num_kv_heads % size`` ranks hold one more), each rank taking the query heads of its KV
+    heads, so GQA groups stay whole (SmolLM2's 9 query and 3 KV heads over 2 ranks: 6 + 2 and
+    3 + 1). With fewer KV heads than ranks each KV head is replicated over ``size /
+    num_kv_heads`` ranks, which split its group's query heads."""
+    group = divide(num_heads, num_kv_heads)
+    if num_kv_heads >= size:
+        base, extra = divmod(num_kv_heads, size)
+        kv = base + (rank < extra)
+        kv_start = rank * base + min(rank, extra)
+        return HeadShard(kv * group, kv_start * group, kv, kv_start)
+    replicas = divide(size, num_kv_heads)
+    q = divide(group, replicas)
+    kv_start = rank // replicas
+    return HeadShard(q, kv_start * group + (rank % replicas) * q, 1, kv_start)
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 from loom.config.http_args import HTTPArgs
 from loom.config.lora_args import LoRAArgs
+from loom.config.parallel_args import ParallelArgs
 from loom.config.sections import (
     CacheArgs,
     GrammarArgs,
@@ -52,6 +53,7 @@ SECTIONS: dict[str, type] = {
     "lora_args": LoRAArgs,
     "grammar_args": GrammarArgs,
     "kernel_args": KernelArgs,
+    "parallel_args": ParallelArgs,
     "http_args": HTTPArgs,
 }
 _SECTION_OF = {f.name: attr for attr, cls in SECTIONS.items() for f in dataclasses.fields(cls)}

@@ -44,7 +44,20 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
     from loom.model_executor.model_runner import ModelRunner
     from loom.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(args, loader=loader)
+    leader = None
+    if args.tp_size > 1:
+        from loom.model_executor.model_runner import resolve_device
+        from loom.model_executor.tp import TPLeader, check_tp_args
+
+        check_tp_args(args)
+        leader = TPLeader(args, resolve_device(args.device))
+    try:
+        runner = ModelRunner(args, loader=loader)
+    except BaseException:
+        if leader is not None:
+            leader.close()
+        raise
+    runner.tp_leader = leader
     sched = Scheduler(args, runner, eos_token_ids)
     if _wants_warmup(runner, args):
         t = time.perf_counter()
@@ -71,6 +84,7 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
         "page_size": args.page_size,
         "scheduler_pid": os.getpid(),
         "cuda_graphs": runner.cuda_graph_runner is not None,
+        "tp_size": args.tp_size,
     }
     return runner, sched, info
 

@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.distributed import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from loom.distributed import (
+    divide,
+    get_tp_rank,
+    get_tp_size,
+    head_shard,
+    tp_all_gather,
+    tp_all_reduce,
+)
 from loom.layers.gemv import gemv, use_gemv
 
 
@@ -126,53 +133,60 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projections; shard_id is "q", "k" or "v". KV heads are replicated when there
-    are fewer of them than TP ranks."""
+    """Fused q, k, v projections; shard_id is "q", "k" or "v". Each rank holds the heads of
+    ``distributed.head_shard``: KV heads spread over the ranks (replicated when there are
+    fewer of them than ranks) with their groups' query heads."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
     ) -> None:
-        tp_size = get_tp_size()
+        LinearBase.__init__(self, hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.gather_output = False
+        shard = head_shard(num_heads, num_kv_heads, self.tp_rank, self.tp_size)
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size)
-        if num_kv_heads >= tp_size:
-            self.num_kv_heads = divide(num_kv_heads, tp_size)
-            self.kv_replicas = 1
-        else:
-            self.num_kv_heads = 1
-            self.kv_replicas = divide(tp_size, num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_start, self.kv_start = shard.q_start * head_dim, shard.kv_start * head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
+        self.output_size_per_partition = self.q_size + 2 * self.kv_size
+        self._init_params(self.output_size_per_partition, hidden_size, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id is None:
             raise ValueError("QKVParallelLinear loads q, k and v separately")
         if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
+            offset, size, start = 0, self.q_size, self.q_start
         else:
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+            size, start = self.kv_size, self.kv_start
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
     """Y = X A with A split along its input dimension; partial results are summed across ranks."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        partition: tuple[int, int] | None = None,
     ) -> None:
+        """``partition``: this rank's ``(start, size)`` of the input (an attention output of
+        unevenly spread heads); an even split by default."""
         super().__init__(input_size, output_size, bias)
         self.reduce_results = reduce_results
-        self.input_size_per_partition = divide(input_size, self.tp_size)
+        if partition is None:
+            size = divide(input_size, self.tp_size)
+            partition = (self.tp_rank * size, size)
+        self.input_start, self.input_size_per_partition = partition
         self._init_params(output_size, self.input_size_per_partition, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: added once, after the reduction
             return _copy(param, loaded)
-        size = param.shape[1]
-        _copy(param, loaded.narrow(1, self.tp_rank * size, size))
+        _copy(param, loaded.narrow(1, self.input_start, param.shape[1]))
 
     def forward(self, x):
         y = self.matmul(x, None)

@@ -22,6 +22,9 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self._free = list(range(size - 1, -1, -1))
+        # rows the cache manager wrote since the model last ran on them: tensor-parallel rank 0
+        # sends them to the other ranks with the next forward that reads them
+        self.dirty: set[int] = set()
 
     @property
     def num_free(self) -> int:

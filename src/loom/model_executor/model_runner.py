@@ -16,7 +16,7 @@ import torch
 
 from loom import plugins
 from loom.config import device_defaults
-from loom.distributed import get_tp_size
+from loom.distributed import get_tp_rank, get_tp_size, head_shard
 from loom.forward_batch import ForwardBatch, ForwardMode
 from loom.layers.attention.base import AttentionBackend, AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
@@ -80,13 +80,27 @@ class ModelRunner:
         self._init_memory()
         self.req_to_token_pool = None
         self.attn_backend = None
+        self.tp_leader = None  # rank 0 of several: sends each model call to the other ranks
         self.cuda_graph_runner = None
         self.piecewise_graph_runner = None
         self.mixed_graph_runner = None
 
+    def check_ranks(self) -> None:
+        """Raise naming any tensor-parallel rank of this host that has exited."""
+        if self.tp_leader is not None:
+            self.tp_leader.check()
+
+    def close(self) -> None:
+        if self.tp_leader is not None:
+            self.tp_leader.close()
+
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
         """Swap in the checkpoint at ``model_path`` (``weights.swap_weights``); raises
         ValueError with the current weights untouched when it cannot."""
+        if self.tp_leader is not None:
+            self.tp_leader.send(
+                "update_weights_from_disk", {"model_path": model_path, "load_format": load_format}
+            )
         args = self.args.replace(model=model_path, load_format=load_format or self.args.load_format)
         self.loader, self.model_config = swap_weights(
             self.model, self.model_config, args, self.dtype, self.device
@@ -189,7 +203,9 @@ class ModelRunner:
         model_cls = type(self.model)
         num_layers, num_kv_heads, head_dim = model_cls.kv_cache_shape(self.model_config.hf_config)
         tp = get_tp_size()
-        attn_heads = max(1, num_kv_heads // tp)  # KV heads are replicated when fewer than ranks
+        heads = self.model_config.hf_config.num_attention_heads
+        self.heads = head_shard(heads, num_kv_heads, get_tp_rank(), tp)
+        attn_heads = self.heads.num_kv_heads
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, attn_heads, head_dim
         kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _KV_DTYPES[args.kv_cache_dtype]
         self.kv_dtype = kv_dtype
@@ -204,6 +220,10 @@ class ModelRunner:
             max_tokens = int(_available_host_memory() * frac // per_token)
         if args.max_total_tokens is None and self.defaults.max_total_tokens is not None:
             max_tokens = min(max_tokens, self.defaults.max_total_tokens)
+        if tp > 1:  # every rank's pool and table the same shape: rank 0 hands out their slots
+            agreed = torch.tensor([max_tokens], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            max_tokens = int(agreed.item())
         num_pages = max_tokens // args.page_size
         if num_pages < 1:
             raise ValueError(
@@ -228,9 +248,8 @@ class ModelRunner:
 
     def _init_attention_backend(self) -> None:
         args = self.args
-        heads = self.model_config.hf_config.num_attention_heads // get_tp_size()
         ctx = AttentionContext(
-            num_heads=heads,
+            num_heads=self.heads.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
@@ -307,6 +326,21 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------------------
 
+    def _rows_for_ranks(self, rows: list[int], lens: list[int]) -> torch.Tensor:
+        """Rank 0: the table's ``rows`` up to ``lens``, concatenated, for the other ranks; they
+        are clean from now on."""
+        table = self.req_to_token_pool.req_to_token
+        self.req_to_token_pool.dirty.difference_update(rows)
+        return torch.cat([table[r, :n] for r, n in zip(rows, lens, strict=True)])
+
+    def _apply_rows(self, rows: list[int], lens: list[int], flat: torch.Tensor) -> None:
+        """A worker rank: write rank 0's entries of ``rows`` (``_rows_for_ranks``)."""
+        table = self.req_to_token_pool.req_to_token
+        at = 0
+        for r, n in zip(rows, lens, strict=True):
+            table[r, :n] = flat[at : at + n]
+            at += n
+
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -333,6 +367,7 @@ class ModelRunner:
         lora_slots: list[int] | None = None,
         logit_indices: list[int] | None = None,
         ids_from: tuple[torch.Tensor, list[int]] | None = None,
+        table_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One prefill (extend) forward over requests' new tokens, concatenated: request ``i``
         (row ``req_pool_indices[i]`` of the req-to-token table, whose slots for these positions
@@ -341,9 +376,28 @@ class ModelRunner:
         request's last token, or of ``logit_indices``. ``ids_from``: the ids of the batch's last
         tokens are still on the device, ``(tokens, rows)``: token ``-len(rows) + j`` is
         ``tokens[rows[j]]`` (a mixed step's decoding rows, on the samples of the decode step in
-        flight; their entries in ``input_ids`` are ignored)."""
+        flight; their entries in ``input_ids`` are ignored). ``table_rows``: on a worker rank,
+        rank 0's entries of the requests' table rows up to their new length, concatenated."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         pool_idx = list(req_pool_indices)
+        if self.tp_leader is not None:
+            self.tp_leader.send(
+                "forward_extend",
+                {
+                    "input_ids": input_ids,
+                    "positions": positions,
+                    "req_pool_indices": pool_idx,
+                    "prefix_lens": prefix_lens,
+                    "extend_lens": extend_lens,
+                    "lora_slots": lora_slots,
+                    "logit_indices": logit_indices,
+                    "ids_from": ids_from,
+                    "table_rows": self._rows_for_ranks(pool_idx, seq_lens),
+                },
+            )
+        elif table_rows is not None:
+            self._apply_rows(pool_idx, seq_lens, table_rows)
+        table = self.req_to_token_pool.req_to_token
         bs, n = len(pool_idx), len(input_ids)
         # One host-to-device copy: each token's id, position and request row, then the request
         # rows and sequence lengths; the tokens' KV slots are gathered from the table.
@@ -357,7 +411,6 @@ class ModelRunner:
         if src_rows:
             m = len(src_rows)
             ids[n - m :] = ids_from[0].index_select(0, packed[3 * n + 2 * bs :])
-        table = self.req_to_token_pool.req_to_token
         batch = ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
             batch_size=bs,
@@ -416,6 +469,7 @@ class ModelRunner:
         lora_slots: list[int] | None = None,
         input_ids_dev: torch.Tensor | None = None,
         id_rows: list[int] | None = None,
+        table_fix: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step (request ``i``: row ``req_pool_indices[i]``, its token at
         ``positions[i]`` into slot ``out_cache_loc[i]``, adapter slot ``lora_slots[i]``); also
@@ -424,6 +478,29 @@ class ModelRunner:
         (``input_ids_dev``: the previous step's samples, under overlap scheduling); ``id_rows``:
         each request's row of ``input_ids_dev`` when the batch is not that step's batch (some of
         its requests have finished since), gathered on the device."""
+        if self.tp_leader is not None:
+            # rows the cache manager rewrote since their extend (a prefix it deduplicated)
+            dirty = self.req_to_token_pool.dirty
+            stale = [(r, p) for r, p in zip(req_pool_indices, positions, strict=True) if r in dirty]
+            fix = None
+            if stale:
+                rows, lens = [r for r, _ in stale], [p for _, p in stale]
+                fix = (rows, lens, self._rows_for_ranks(rows, lens))
+            self.tp_leader.send(
+                "forward_decode",
+                {
+                    "input_ids": input_ids,
+                    "positions": positions,
+                    "out_cache_loc": out_cache_loc,
+                    "req_pool_indices": req_pool_indices,
+                    "lora_slots": lora_slots,
+                    "input_ids_dev": input_ids_dev,
+                    "id_rows": id_rows,
+                    "table_fix": fix,
+                },
+            )
+        elif table_fix is not None:
+            self._apply_rows(*table_fix)
         seq_lens = [p + 1 for p in positions]
         # One host-to-device copy for the whole batch description.
         rows_cpu = list(req_pool_indices)

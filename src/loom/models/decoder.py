@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from loom.distributed import get_tp_size
 from loom.forward_batch import ForwardBatch
 from loom.layers.activation import gated_activation
 from loom.layers.attention.layer import Attention
@@ -91,7 +90,6 @@ class GatedMLP(nn.Module):
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, layer_id: int, spec: DecoderSpec) -> None:
         super().__init__()
-        tp = get_tp_size()
         self.hidden_size = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -103,7 +101,10 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             self.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias
         )
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, self.hidden_size, o_bias)
+        qkv = self.qkv_proj
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, self.hidden_size, o_bias, partition=(qkv.q_start, qkv.q_size)
+        )
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         if spec.qk_norm:
@@ -129,7 +130,7 @@ class DecoderAttention(nn.Module):
         pre_scalar = getattr(config, "query_pre_attn_scalar", None) if spec.gemma else None
         self.attn = Attention(
             layer_id,
-            num_heads // tp,
+            self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             self.head_dim,
             (pre_scalar or self.head_dim) ** -0.5,

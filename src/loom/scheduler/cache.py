@@ -137,9 +137,11 @@ class CacheManager:
         packed = torch.tensor([rows, positions, slots], dtype=torch.int64)
         r, p, s = packed.to(table.device, non_blocking=True).unbind(0)
         table[r, p] = s
+        self.req_to_token_pool.dirty.update(rows)
 
     def _write_row(self, req, start: int, slots: list[int]) -> None:
         table = self.req_to_token_pool.req_to_token
+        self.req_to_token_pool.dirty.add(req.req_pool_idx)
         table[req.req_pool_idx, start : start + len(slots)] = torch.tensor(
             slots, dtype=torch.int64
         ).to(table.device, non_blocking=True)

@@ -51,6 +51,7 @@ def run_scheduler_loop(
 def _loop(sched, poll, emit, should_stop, stats_interval) -> None:
     last_emit = 0.0
     while not should_stop():
+        sched.runner.check_ranks()
         stop = False
         if not sched.has_work:
             timeout = 0.05

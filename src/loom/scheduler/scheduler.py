@@ -93,6 +93,7 @@ class Scheduler:
         self.cache.close()
         self.grammar_queue.close()
         self.lora.close()
+        self.runner.close()
 
     def reset_after_warmup(self) -> None:
         """Counters from zero and the admission estimate from its start (the warm-up's
