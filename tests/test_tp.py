@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,7 +61,9 @@ def test_head_shard_keeps_gqa_groups():
 
 
 def test_smollm2_gguf_tp2_matches_tp1_through_chunks_retraction_and_cache():
-    prompts = [[(17 * i + 5 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate((3, 40, 9, 25))]
+    prompts = [
+        [(17 * i + 5 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate((3, 40, 9, 25))
+    ]
     kw = {
         "max_total_tokens": 72,
         "chunked_prefill_size": 16,
@@ -88,7 +92,7 @@ def test_a_killed_rank_stops_the_server_naming_it():
     e = loom.Engine(skip_tokenizer_init=True, tp_size=2, max_total_tokens=512)
     try:
         leader = e.scheduler.runner.tp_leader
-        (rank, proc), = leader.procs.items()
+        ((rank, proc),) = leader.procs.items()
         e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)
         os.kill(proc.pid, signal.SIGKILL)
         start = time.monotonic()
@@ -105,3 +109,90 @@ def test_a_killed_rank_stops_the_server_naming_it():
 def test_tp_refuses_what_it_cannot_split_by_name():
     with pytest.raises(ValueError, match="--enable-lora"):
         loom.Engine(skip_tokenizer_init=True, tp_size=2, enable_lora=True, max_lora_rank=8)
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    kids: dict[int, list[int]] = {}
+    for line in out.split("\n"):
+        if line.strip():
+            c, p = map(int, line.split())
+            kids.setdefault(p, []).append(c)
+    found, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def test_loom_serve_tp2_answers_the_openai_client():
+    from openai import OpenAI
+
+    from tests.test_server import MESSAGES, Server
+
+    server = Server("--tp-size", "2")
+    try:
+        procs = _descendants(server.proc.pid)
+        assert len(procs) >= 2  # the scheduler (rank 0) and rank 1
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+        resp = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=32, temperature=0
+        )
+        # the same answer as TP 1 gives (tests/test_server.py)
+        assert resp.choices[0].message.content == "The capital of France is Paris."
+    finally:
+        rc = server.stop()
+    assert rc in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    time.sleep(0.5)
+    assert not [p for p in procs if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _second_host(addr: str, *flags: str) -> subprocess.Popen:
+    """``loom serve --node-rank 1`` as a second host would run it (on this machine)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", "--tp-size", "2", "--nnodes", "2",
+         "--node-rank", "1", "--dist-init-addr", addr, "--skip-tokenizer-init", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_two_hosts_meet_at_dist_init_addr_and_must_agree():
+    from tests.test_server import _free_port
+
+    prompts = [[5, 6, 7, 8] * 4, [100, 200, 300]]
+    (want,), _, _ = _generate(1, prompts, max_total_tokens=512)
+    addr = f"127.0.0.1:{_free_port()}"
+    host = _second_host(addr, "--max-total-tokens", "512")
+    two = dict(nnodes=2, node_rank=0, dist_init_addr=addr, max_total_tokens=512)
+    (got,), _, _ = _generate(2, prompts, **two)
+    assert got == want
+    assert host.wait(timeout=30) == 0
+    # a host started with other flags: both ends stop, naming what differs
+    addr = f"127.0.0.1:{_free_port()}"
+    host = _second_host(addr, "--max-total-tokens", "256")
+    two["dist_init_addr"] = addr
+    with pytest.raises(ValueError, match="rank 1: max_total_tokens"):
+        loom.Engine(skip_tokenizer_init=True, tp_size=2, **two)
+    assert host.wait(timeout=30) != 0
+
+
+def test_each_rank_holds_about_half_the_weights():
+    def weight_bytes(tp: int) -> int:
+        with loom.Engine(skip_tokenizer_init=True, tp_size=tp, max_total_tokens=256) as e:
+            model = e.scheduler.runner.model
+            tensors = list(model.parameters()) + list(model.buffers())
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+    one, two = weight_bytes(1), weight_bytes(2)
+    # rank 0's shards: half of every split matrix, the norms and rotary tables whole, and the
+    # (uneven) 6 of 9 query heads
+    assert 0.45 * one < two < 0.6 * one, (one, two)

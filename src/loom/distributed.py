@@ -20,12 +20,19 @@ _ctrl_group = None
 
 
 def init_distributed(
-    rank: int, size: int, init_addr: str, device: torch.device, timeout_s: int
+    rank: int, size: int, init_addr: str, device: torch.device, timeout_s: int, local: int = 1
 ) -> None:
     """Join the ``size`` ranks meeting at ``init_addr`` (``HOST:PORT``) as ``rank`` and make
-    them the tensor-parallel group."""
+    them the tensor-parallel group. On the CPU the ``local`` ranks of this host share its
+    cores: each takes its part for its torch threads (with every rank on all cores, spinning
+    OpenMP threads starved gloo's, and SmolLM2 decoded at 2.7 tokens/s on 2 cores)."""
     global _ctrl_group
+    import os
+
     import torch.distributed as dist
+
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(

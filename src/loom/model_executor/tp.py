@@ -88,20 +88,69 @@ def check_tp_args(args: ServerArgs) -> None:
         raise ValueError(f"--tp-size {args.tp_size} does not support {', '.join(named)} yet")
 
 
+def _fingerprint(args: ServerArgs) -> dict[str, Any]:
+    """What every rank must agree on: all arguments but the HTTP front's and the host's own."""
+    from loom.config.server_args import SECTIONS
+
+    own = {"node_rank"}
+    keep = [attr for attr in SECTIONS if attr != "http_args"]
+    out: dict[str, Any] = {}
+    for attr in keep:
+        out.update({k: v for k, v in vars(getattr(args, attr)).items() if k not in own})
+    return out
+
+
+def check_agreement(args: ServerArgs) -> None:
+    """Every rank compares its arguments with rank 0's; all raise, naming the ranks and the
+    arguments that differ, when any does (a host started with another model or flags)."""
+    import torch.distributed as dist
+
+    from loom.distributed import ctrl_group
+
+    mine = _fingerprint(args)
+    every: list[Any] = [None] * args.tp_size
+    dist.all_gather_object(every, mine, group=ctrl_group())
+    first = every[0]
+    differ = {
+        r: sorted(k for k in set(first) | set(fp) if first.get(k) != fp.get(k))
+        for r, fp in enumerate(every)
+    }
+    named = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in differ.items() if keys)
+    if named:
+        raise ValueError(f"tensor-parallel ranks disagree with rank 0 on {named}")
+
+
+def run_node(args: ServerArgs) -> int:
+    """A host other than the first (``--node-rank`` > 0): its ranks only, until rank 0 closes
+    them; the exit status is the worst of theirs."""
+    procs = spawn_workers(args, args.dist_init_addr)
+    print(
+        f"Loom: tensor-parallel ranks {list(local_ranks(args))} of {args.tp_size} meet rank 0 "
+        f"at {args.dist_init_addr}",
+        flush=True,
+    )
+    codes = [p.wait() for p in procs.values()]
+    return max((abs(c) for c in codes), default=0)
+
+
 class TPLeader:
     """Rank 0's end: sends each model call to the workers and watches this host's ones."""
 
     def __init__(self, args: ServerArgs, device: torch.device) -> None:
-        from loom.distributed import init_distributed
+        from loom.distributed import close_distributed, init_distributed
 
         self.size = args.tp_size
         self.timeout = args.dist_timeout
         init_addr = args.dist_init_addr or _free_addr()
         self.procs = spawn_workers(args, init_addr)
         try:
-            init_distributed(0, self.size, init_addr, device, args.dist_timeout)
+            init_distributed(
+                0, self.size, init_addr, device, args.dist_timeout, len(local_ranks(args))
+            )
+            check_agreement(args)
         except BaseException:
             self._stop_procs()
+            close_distributed()
             raise
         self.closed = False
 
@@ -207,8 +256,12 @@ def worker_main(args: ServerArgs, rank: int, init_addr: str) -> None:
         level=args.log_level.upper(),
         format=f"[tp rank {rank} %(process)d] %(levelname)s %(name)s: %(message)s",
     )
-    init_distributed(rank, args.tp_size, init_addr, resolve_device(args.device), args.dist_timeout)
+    device = resolve_device(args.device)
+    init_distributed(
+        rank, args.tp_size, init_addr, device, args.dist_timeout, len(local_ranks(args))
+    )
     try:
+        check_agreement(args)
         runner = ModelRunner(args)
         context = runner.model_config.context_len
         runner.bind(ReqToTokenPool(runner.max_running_requests + 1, context, runner.device))

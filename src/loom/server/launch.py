@@ -29,6 +29,7 @@ EXIT_DEADLINE_S = 9.5  # the process is gone by then, in any case
 def serve(server_kwargs: dict[str, Any]) -> int:
     import uvicorn
 
+    from loom.config import ServerArgs
     from loom.engine.engine import Engine
     from loom.server.app import create_app
 
@@ -36,6 +37,10 @@ def serve(server_kwargs: dict[str, Any]) -> int:
         level=server_kwargs.get("log_level", "warning").upper(),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if server_kwargs.get("node_rank"):  # another host's tensor-parallel ranks: no front end
+        from loom.model_executor.tp import run_node
+
+        return run_node(ServerArgs.from_kwargs(**server_kwargs))
     engine = Engine(backend="process", **server_kwargs)
     args = engine.server_args
     failed: list[BaseException] = []
