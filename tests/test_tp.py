@@ -109,6 +109,8 @@ def test_a_killed_rank_stops_the_server_naming_it():
 def test_tp_refuses_what_it_cannot_split_by_name():
     with pytest.raises(ValueError, match="--enable-lora"):
         loom.Engine(skip_tokenizer_init=True, tp_size=2, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match="--quantization gguf"):
+        loom.Engine(skip_tokenizer_init=True, tp_size=2, quantization="gguf")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -196,3 +198,19 @@ def test_each_rank_holds_about_half_the_weights():
     # rank 0's shards: half of every split matrix, the norms and rotary tables whole, and the
     # (uneven) 6 of 9 query heads
     assert 0.45 * one < two < 0.6 * one, (one, two)
+
+
+def test_a_hung_rank_stops_the_server_after_the_timeout():
+    e = loom.Engine(skip_tokenizer_init=True, tp_size=2, max_total_tokens=512, dist_timeout=5)
+    try:
+        ((rank, proc),) = e.scheduler.runner.tp_leader.procs.items()
+        e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="ranks 1..1 hung past --dist-timeout 5 s"):
+            while time.monotonic() - start < 30:  # the first requests end aborted, then it raises
+                e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        e.shutdown()
+    assert proc.wait(timeout=30) is not None  # killed, stopped as it was

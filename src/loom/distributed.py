@@ -1,10 +1,10 @@
 """Tensor-parallel state. Loom runs one process per TP rank (``model_executor/tp.py``); at
 tp_size 1 every collective below is the identity, so models never branch on TP.
 
-Two process groups: the data group (NCCL on CUDA, gloo on CPU; its collectives time out after
-``--dist-timeout``) carries the model's all-reduces and gathers and each step's tensors, and the
-control group (gloo, no practical timeout: a worker waits there while the server is idle) carries
-the pickled calls rank 0 sends every rank."""
+Two process groups, whose collectives time out after ``--dist-timeout``: the data group (NCCL on
+CUDA, gloo on CPU) carries the model's all-reduces and gathers and each step's tensors, and the
+control group (gloo) the pickled calls rank 0 sends every rank (and, while the server is idle,
+the pings that keep the workers' waits short of the timeout)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def init_distributed(
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    _ctrl_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    _ctrl_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     set_tp(rank, size, None)
 
 

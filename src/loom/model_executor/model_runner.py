@@ -94,6 +94,15 @@ class ModelRunner:
         if self.tp_leader is not None:
             self.tp_leader.close()
 
+    @property
+    def ranks_failed(self) -> bool:
+        """Whether a call to the other tensor-parallel ranks failed (the server must stop)."""
+        return self.tp_leader is not None and self.tp_leader.failed
+
+    def explain_failure(self, error: RuntimeError) -> RuntimeError:
+        """``error`` as the scheduler reports it: with tensor parallelism, naming the ranks."""
+        return error if self.tp_leader is None else self.tp_leader.explain(error)
+
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
         """Swap in the checkpoint at ``model_path`` (``weights.swap_weights``); raises
         ValueError with the current weights untouched when it cannot."""

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CLOSE = "close"
+PING = "ping"
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ def check_tp_args(args: ServerArgs) -> None:
         "--enable-lora": args.enable_lora,
         "--enable-hierarchical-cache": args.enable_hierarchical_cache,
     }
+    # their packed layouts are not split along the shards' rows and columns yet
+    if args.quantization in ("gguf", "bitsandbytes"):
+        refused[f"--quantization {args.quantization}"] = True
     named = [flag for flag, on in refused.items() if on]
     if named:
         raise ValueError(f"--tp-size {args.tp_size} does not support {', '.join(named)} yet")
@@ -153,15 +158,36 @@ class TPLeader:
             close_distributed()
             raise
         self.closed = False
+        self.failed = False  # a call did not reach every rank: close kills them at once
+        self.last_send = time.monotonic()
 
     def check(self) -> None:
-        """Raise naming the ranks of this host whose process has exited."""
+        """Raise naming the ranks of this host whose process has exited; while no call went
+        out for a third of ``--dist-timeout``, ping every rank (a worker waits for calls no
+        longer than that, and a rank that hangs is found idle too)."""
         dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
         if dead and not self.closed:
             raise RuntimeError(
                 "tensor-parallel rank(s) exited: "
                 + ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(dead.items()))
             )
+        if not self.closed and time.monotonic() - self.last_send > self.timeout / 3:
+            self.send(PING, {})
+
+    def explain(self, error: RuntimeError) -> RuntimeError:
+        """A failed step's error naming the ranks: those of this host that exited, or else that
+        one of ranks 1..N-1 hung past ``--dist-timeout`` or died (a collective does not say
+        which)."""
+        if "tensor-parallel" in str(error):
+            return error
+        try:
+            self.check()
+        except RuntimeError as dead:
+            return RuntimeError(f"{dead}: {error}")
+        return RuntimeError(
+            f"a tensor-parallel collective failed: one of ranks 1..{self.size - 1} hung past "
+            f"--dist-timeout {self.timeout} s or died: {error}"
+        )
 
     def send(self, method: str, kwargs: dict[str, Any]) -> None:
         import torch.distributed as dist
@@ -179,15 +205,17 @@ class TPLeader:
             return v
 
         call = (method, {k: strip(v) for k, v in kwargs.items()})
+        self.last_send = time.monotonic()
         try:
             dist.broadcast_object_list([call], src=0, group=ctrl_group())
             for t in tensors:
                 dist.broadcast(t, src=0)
         except Exception as e:
+            self.failed = True
             self.check()
             raise RuntimeError(
-                f"sending {method} to the tensor-parallel ranks failed (a rank hung for "
-                f"--dist-timeout {self.timeout} s or died): {e}"
+                f"sending {method} to the tensor-parallel ranks failed: one of ranks "
+                f"1..{self.size - 1} hung past --dist-timeout {self.timeout} s or died: {e}"
             ) from e
 
     def close(self) -> None:
@@ -198,17 +226,17 @@ class TPLeader:
             return
         self.closed = True
         try:
-            if all(p.poll() is None for p in self.procs.values()):
+            if not self.failed and all(p.poll() is None for p in self.procs.values()):
                 self.send(CLOSE, {})
         except Exception as e:  # noqa: BLE001 - closing anyway
             logger.warning("closing the tensor-parallel ranks: %s", e)
-        self._stop_procs()
+        self._stop_procs(wait=0.0 if self.failed else 10.0)
         close_distributed()
 
-    def _stop_procs(self) -> None:
+    def _stop_procs(self, wait: float = 10.0) -> None:
         for p in self.procs.values():
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
@@ -238,6 +266,8 @@ def serve_calls(runner) -> None:
         method, kwargs = box[0]
         if method == CLOSE:
             return
+        if method == PING:
+            continue
         kwargs = {k: _receive(v, runner.device) for k, v in kwargs.items()}
         getattr(runner, method)(**kwargs)
 

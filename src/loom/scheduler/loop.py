@@ -44,6 +44,8 @@ def run_scheduler_loop(
     messages, waiting up to ``timeout`` seconds only when the scheduler is idle."""
     try:
         _loop(sched, poll, emit, should_stop, stats_interval)
+    except RuntimeError as e:
+        raise sched.runner.explain_failure(e) from e
     finally:
         sched.close()
 

@@ -259,6 +259,9 @@ class Scheduler:
         pages and carry on. Raises if the state cannot be made whole again (the pages do not
         balance, or the device itself failed): the loop then dies and every request ends with
         the scheduler's error."""
+        if self.runner.ranks_failed:
+            # another tensor-parallel rank is gone or hung: no step can run again
+            raise self.runner.explain_failure(RuntimeError(str(error))) from error
         logger.exception("a scheduler step failed; failing its requests")
         self._failed_steps += 1
         message = f"internal error in the scheduler: {type(error).__name__}: {error}"
