@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from loom.process import die_with_parent
 from loom.scheduler.loop import run_scheduler_loop
 from loom.scheduler.messages import Message, SchedulerBatchOut, Shutdown
 
@@ -165,23 +166,12 @@ class ThreadBackend:
 # ---- the scheduler process --------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this process when its parent dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def scheduler_process_main(
     args: ServerArgs, eos_token_ids: set[int], in_addr: str, out_addr: str, parent_pid: int
 ) -> None:
     import zmq
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loom import plugins
 from loom.config import device_defaults
 from loom.distributed import get_tp_rank, get_tp_size, head_shard
 from loom.forward_batch import ForwardBatch, ForwardMode
-from loom.layers.attention.base import AttentionBackend, AttentionContext, attention_features
+from loom.layers.attention.base import AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from loom.model_executor.weights import log_load, model_config_for, swap_weights
 from loom.model_loader.base import DeviceConfig
@@ -256,6 +255,8 @@ class ModelRunner:
         )
 
     def _init_attention_backend(self) -> None:
+        from loom.model_executor.attention_choice import build_attention_backends
+
         args = self.args
         ctx = AttentionContext(
             num_heads=self.heads.num_heads,
@@ -267,71 +268,17 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool,
             features=attention_features(self.model),
         )
-        built: dict[str, AttentionBackend] = {}  # one instance per name, shared by phases
-        prefill = args.prefill_attention_backend or args.attention_backend
-        decode = args.decode_attention_backend or args.attention_backend
-        p_name = self._pick_attention_backend(prefill, "prefill", ctx, built)
-        d_name = self._pick_attention_backend(decode, "decode", ctx, built)
-        self.prefill_attention_backend_name = p_name
-        self.decode_attention_backend_name = d_name
-        if p_name == d_name:
-            self.attn_backend, self.attention_backend_name = built[p_name], p_name
-        else:
-            from loom.layers.attention.hybrid import HybridAttnBackend
-
-            self.attn_backend = HybridAttnBackend(built[p_name], built[d_name])
-            self.attention_backend_name = f"{p_name} prefill + {d_name} decode"
-
-    def _pick_attention_backend(self, name: str, phase: str, ctx, built: dict) -> str:
-        """Build ``name`` (into ``built``) for one phase; ``auto`` takes the registered backend
-        of the highest ``auto_priority`` for this device and phase that
-        :meth:`_try_attention_backend` can build."""
-        if name != "auto":
-            if name not in built:
-                cls = plugins.resolve("attention_backend", name)
-                if not cls.is_supported(self.device):
-                    raise ValueError(f"attention backend {name!r} does not support {self.device}")
-                built[name] = cls(ctx)
-            return name
-        # With mixed chunks, extend batches go first to a backend that captures mixed steps
-        # whole: as piecewise graphs a mixed step launches each layer's attention from the host
-        # (SmolLM2 on the H200: 21.5 against 10.8 ms a step, bench/mixed_step_profile.py)
-        mixed_first = phase == "prefill" and self._wants_mixed_graphs()
-        ranked = []
-        for candidate in plugins.names("attention_backend"):
-            try:
-                cls = plugins.resolve("attention_backend", candidate)
-            except Exception as e:  # noqa: BLE001 - a member whose module cannot import
-                logger.info("attention backend %s skipped for auto: %s", candidate, e)
-                continue
-            priority = cls.auto_priority(self.device, phase)
-            if priority is not None:
-                ranked.append(
-                    (not (mixed_first and cls.supports_mixed_graph), -priority, candidate)
-                )
-        for *_, candidate in sorted(ranked):
-            if self._try_attention_backend(candidate, phase, ctx, built):
-                return candidate
-        needs = f" with {', '.join(sorted(ctx.features))}" if ctx.features else ""
-        raise ValueError(f"no attention backend supports {self.device} / {self.dtype}{needs}")
-
-    def _try_attention_backend(self, name: str, phase: str, ctx, built: dict) -> bool:
-        """Whether ``name`` can serve here, for ``auto``: registered, supporting the device and
-        dtype, and constructed (a backend's constructor raises ValueError for shapes and KV
-        dtypes it lacks) into ``built``."""
-        if name in built:
-            return True
-        if name not in set(plugins.names("attention_backend")):
-            return False
-        cls = plugins.resolve("attention_backend", name)
-        if not (cls.is_supported(self.device) and cls.supports_dtype(self.dtype)):
-            return False
-        try:
-            built[name] = cls(ctx)
-        except ValueError as e:
-            logger.info("attention backend %s skipped for %s: %s", name, phase, e)
-            return False
-        return True
+        (
+            self.attn_backend,
+            self.attention_backend_name,
+            self.prefill_attention_backend_name,
+            self.decode_attention_backend_name,
+        ) = build_attention_backends(
+            ctx,
+            args.prefill_attention_backend or args.attention_backend,
+            args.decode_attention_backend or args.attention_backend,
+            mixed_first=self._wants_mixed_graphs(),
+        )
 
     # ---- forward --------------------------------------------------------------------------
 

@@ -276,11 +276,11 @@ def worker_main(args: ServerArgs, rank: int, init_addr: str) -> None:
     """A worker rank's process: join the group, build the runner as rank 0 does (its weights'
     shards, a KV pool and table of the same shapes), then serve rank 0's calls."""
     from loom.distributed import close_distributed, init_distributed
-    from loom.engine.backends import _die_with_parent
     from loom.mem_cache.memory_pool import ReqToTokenPool
     from loom.model_executor.model_runner import ModelRunner, resolve_device
+    from loom.process import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
     logging.basicConfig(
         level=args.log_level.upper(),
