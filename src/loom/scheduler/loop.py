@@ -45,7 +45,10 @@ def run_scheduler_loop(
     try:
         _loop(sched, poll, emit, should_stop, stats_interval)
     except RuntimeError as e:
-        raise sched.runner.explain_failure(e) from e
+        explained = sched.runner.explain_failure(e)
+        if explained is e:
+            raise
+        raise explained from e
     finally:
         sched.close()
 
