@@ -214,3 +214,31 @@ def test_a_hung_rank_stops_the_server_after_the_timeout():
     finally:
         e.shutdown()
     assert proc.wait(timeout=30) is not None  # killed, stopped as it was
+
+
+def test_weight_updates_reach_every_rank_and_a_bad_one_leaves_them_serving(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dirs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        path = tmp_path / f"m{seed}"
+        AutoModelForCausalLM.from_config(tiny_config("Qwen3ForCausalLM")).save_pretrained(path)
+        dirs.append(str(path))
+    other = tiny_config("Qwen3ForCausalLM", intermediate_size=256)
+    AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "other")
+    dirs.append(str(tmp_path / "other"))
+    prompts = [[5, 9, 200, 31], [300, 2, 44, 90, 11, 8]]
+    (want,), _, _ = _generate(1, prompts, model=dirs[1], max_total_tokens=1024)
+    with loom.Engine(
+        skip_tokenizer_init=True, tp_size=2, model=dirs[0], max_total_tokens=1024
+    ) as e:
+        ok, message, _ = e.update_weights_from_disk(str(tmp_path / "missing"))
+        assert not ok and message
+        # refused by the ranks themselves: the shapes differ
+        ok, message, _ = e.update_weights_from_disk(dirs[2])
+        assert not ok and "gate_up_proj" in message, message
+        ok, message, _ = e.update_weights_from_disk(dirs[1])
+        assert ok, message
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert got == want  # both ranks serve the new weights

@@ -269,7 +269,14 @@ def serve_calls(runner) -> None:
         if method == PING:
             continue
         kwargs = {k: _receive(v, runner.device) for k, v in kwargs.items()}
-        getattr(runner, method)(**kwargs)
+        try:
+            getattr(runner, method)(**kwargs)
+        except ValueError as e:
+            # a weight update refused on the same files as rank 0's: the old weights serve on
+            # every rank; anything else ends this rank, and rank 0 stops the server
+            if method != "update_weights_from_disk":
+                raise
+            logger.warning("weight update refused: %s", e)
 
 
 def worker_main(args: ServerArgs, rank: int, init_addr: str) -> None:
