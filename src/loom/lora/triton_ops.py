@@ -68,9 +68,9 @@ SEGMENT_MIN_RUN = 4  # lora_shrink_expand: segment kernels at this many tokens p
 MAX_SPLITS = 16  # most programs a segment's token tile divides ``in`` among
 GATHER_MAX_SPLITS = 64  # most programs one token's shrink divides ``in`` among
 # Partial sums the gather expand loads at once (unrolled). Measured on the H200
-# (bench/lora_kernels.py --graph, Llama-3-8B shapes, us): at 1 token (16-56 splits) unrolled
-# loads and up to 64 splits take down_proj's update from 10.6 to 8.1 over the base matmul; at
-# 64 tokens (2-5 splits) they time the same as loads one at a time.
+# (bench/lora_kernels.py --graph, Llama-3-8B shapes, us): at 1 token, down_proj's update costs
+# 8.1 over the base matmul with up to 64 splits loaded this way, 10.6 with 16 loaded one at a
+# time; at 64 tokens (2-5 splits) unrolled loads and loads one at a time time the same.
 SPLIT_CHUNK = 8
 
 # The split count and the partial sums' stride vary with the batch: specialised on (a value

@@ -80,8 +80,8 @@ GENERATE_FIELDS: dict[str, tuple[str, str]] = {
     "require_reasoning": (REFUSED, "hybrid reasoning control is not supported"),
     "max_thinking_tokens": (
         REFUSED,
-        "give the model's think-end ids to the thinking_budget processor instead "
-        '(custom_logit_processor "thinking_budget")',
+        "a thinking budget is the thinking_budget logits processor, given the model's "
+        'think-end ids (custom_logit_processor "thinking_budget")',
     ),
     "priority": (USED, "Scheduling priority (--schedule-policy priority)."),
     "extra_key": (USED, "A prefix-cache namespace: different keys share no cached KV."),
