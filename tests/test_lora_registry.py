@@ -158,7 +158,7 @@ def test_a_load_runs_beside_the_batch_and_a_corrupt_one_leaves_the_server_servin
     weights.write_bytes(weights.read_bytes()[: os.path.getsize(weights) // 2])
     with _engine(base, {"a": paths["a"]}, max_lora_rank=8, lora_target_modules=["all"]) as e:
         loader = e.runner.lora_manager.loader
-        read = loader._read
+        read = loader.read
         reading, release = threading.Event(), threading.Event()
 
         def gated_read(ref):
@@ -166,7 +166,7 @@ def test_a_load_runs_beside_the_batch_and_a_corrupt_one_leaves_the_server_servin
             assert release.wait(60)
             return read(ref)
 
-        loader._read = gated_read
+        loader.read = gated_read
         load = threading.Thread(target=e.load_lora_adapter, args=("b", paths["b"]))
         load.start()
         assert reading.wait(30)
@@ -180,7 +180,7 @@ def test_a_load_runs_beside_the_batch_and_a_corrupt_one_leaves_the_server_servin
         assert e.lora_names == {"a", "b"}
         out = e.generate(input_ids=PROMPTS[2], sampling_params=GREEDY, lora_path="b")
         assert out["output_ids"] == peft_ref("b", PROMPTS[2])[0]
-        loader._read = read
+        loader.read = read
         with pytest.raises(ValueError, match="LoRA adapter 'bad'"):
             e.load_lora_adapter("bad", str(corrupt))
         assert e.lora_names == {"a", "b"}

@@ -59,6 +59,8 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
             leader.close()
         raise
     runner.tp_leader = leader
+    if leader is not None:
+        leader.attach(runner)
     sched = Scheduler(args, runner, eos_token_ids)
     if _wants_warmup(runner, args):
         t = time.perf_counter()

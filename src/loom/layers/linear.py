@@ -144,6 +144,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.gather_output = False
         shard = head_shard(num_heads, num_kv_heads, self.tp_rank, self.tp_size)
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.q_start, self.kv_start = shard.q_start * head_dim, shard.kv_start * head_dim
         self.q_size = self.num_heads * head_dim
@@ -184,9 +185,13 @@ class RowParallelLinear(LinearBase):
         self._init_params(output_size, self.input_size_per_partition, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 1:  # bias: added once, after the reduction
+        if param.dim() == 1:  # bias (or a per-row scale): whole on every rank
             return _copy(param, loaded)
-        _copy(param, loaded.narrow(1, self.input_start, param.shape[1]))
+        start = self.input_start
+        cut = getattr(param, "input_columns", None)  # a quantized form's columns
+        if cut is not None:
+            start, _ = cut(start, self.input_size_per_partition)
+        _copy(param, loaded.narrow(1, start, param.shape[1]))
 
     def forward(self, x):
         y = self.matmul(x, None)

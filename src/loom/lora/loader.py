@@ -76,16 +76,20 @@ class LoRAOverlapLoader:
 
     # ---- disk to host ---------------------------------------------------------------------
 
-    def _read(self, ref: LoRARef) -> tuple[LoRAAdapter, torch.Tensor]:
+    def read(self, ref: LoRARef) -> tuple[LoRAAdapter, torch.Tensor]:
         """Read, check and lay out an adapter (on the reader thread)."""
         adapter = load_adapter(ref.lora_name, ref.lora_path)
         self.check(adapter)
         self.num_disk_reads += 1
         return adapter, self.layout.host_row(adapter, self.dtype, self.pin)
 
+    def read_async(self, ref: LoRARef) -> Future:
+        """``read`` on the background thread."""
+        return self._threads.submit(self.read, ref)
+
     def submit(self, ref: LoRARef, purpose: object) -> None:
         """Start reading ``ref`` on the background thread; ``poll`` returns it when done."""
-        self._reads.append((self._threads.submit(self._read, ref), ref, purpose))
+        self._reads.append((self.read_async(ref), ref, purpose))
 
     def reading(self, lora_id: str) -> bool:
         return any(ref.lora_id == lora_id for _, ref, _ in self._reads)

@@ -27,24 +27,20 @@ import torch
 from torch import nn
 
 from loom import plugins
+from loom.distributed import tp_all_reduce
 from loom.lora.adapter import MODULE_SLICES, LoRAAdapter
 from loom.lora.loader import LoRAOverlapLoader
 from loom.lora.pool import PACKED, PoolLayout
 from loom.lora.registry import LoRARef, parse_lora_paths
+from loom.lora.shard import ModuleShard, module_shard
 
 logger = logging.getLogger(__name__)
 
 
-def _slice_sizes(module: nn.Module, packed: str) -> list[int]:
-    if packed == "qkv_proj":
-        return [module.q_size, module.kv_size, module.kv_size]
-    if packed == "gate_up_proj":
-        return list(module.output_sizes)
-    return [module.output_size]
-
-
 class LoRALinear(nn.Module):
-    """A packed projection plus the running batch's adapter updates."""
+    """A packed projection plus the running batch's adapter updates. A row-parallel projection
+    split over ranks adds its update to the partial sums before their all-reduce
+    (``shard.py``)."""
 
     def __init__(self, base: nn.Module, manager: LoRAManager, layer: int, packed: str) -> None:
         super().__init__()
@@ -52,23 +48,31 @@ class LoRALinear(nn.Module):
         self.manager = manager
         self.layer = layer
         self.packed = packed
+        self.reduce = (
+            manager.shards[packed].row_parallel and base.tp_size > 1 and base.reduce_results
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         m = self.manager
         if m.active is None:
-            return y
+            return self.base(x)
+        base = self.base
+        y = base.matmul(x, None) if self.reduce else base(x)
         a_buf, b_buf = m.buffers[self.layer][self.packed]
         shape = y.shape
-        y2 = m.backend.apply(
+        y = m.backend.apply(
             x.reshape(-1, x.shape[-1]),
             y.reshape(-1, shape[-1]),
             a_buf,
             b_buf,
             m.sizes[self.packed][1],
             m.active,
-        )
-        return y2.reshape(shape)
+        ).reshape(shape)
+        if self.reduce:
+            y = tp_all_reduce(y)
+            if base.bias is not None:
+                y = y + base.bias
+        return y
 
 
 _TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
@@ -121,11 +125,8 @@ class LoRAManager:
     def __init__(self, model: nn.Module, args, device: torch.device, dtype: torch.dtype) -> None:
         """``args``: the LoRA section of the server arguments (``LoRAArgs``). The start-up
         adapters are read here, on the calling thread: they size the pool (rank, targets)."""
-        from loom.distributed import get_tp_size
         from loom.lora.adapter import load_adapter
 
-        if get_tp_size() > 1:
-            raise ValueError("LoRA serving with tensor parallelism is not supported yet")
         self.device, self.dtype = device, dtype
         self.num_slots = args.max_loras_per_batch  # (LoRAArgs checked it is >= 1)
         startup = parse_lora_paths(args.lora_paths)
@@ -135,16 +136,19 @@ class LoRAManager:
         packed_targets = [p for p in PACKED if any(m in self.targets for m in PACKED[p])]
         layers = _lora_layers(model, packed_targets)
         self.num_layers = len(layers)
-        self.sizes: dict[str, tuple[int, list[int]]] = {}
+        self.shards: dict[str, ModuleShard] = {}
+        for parent_name, packed in _TARGETS:
+            if packed in packed_targets:
+                self.shards[packed] = module_shard(
+                    getattr(getattr(layers[0], parent_name), packed), packed
+                )
         for i, layer in enumerate(layers):
             for parent_name, packed in _TARGETS:
-                if packed not in packed_targets:
-                    continue
-                parent = getattr(layer, parent_name)
-                base = getattr(parent, packed)
-                self.sizes[packed] = (base.input_size, _slice_sizes(base, packed))
-                setattr(parent, packed, LoRALinear(base, self, i, packed))
-        self.layout = PoolLayout(self.num_layers, self.sizes, self.max_rank)
+                if packed in packed_targets:
+                    parent = getattr(layer, parent_name)
+                    setattr(parent, packed, LoRALinear(getattr(parent, packed), self, i, packed))
+        self.layout = PoolLayout(self.num_layers, self.shards, self.max_rank)
+        self.sizes = self.layout.sizes  # this rank's (input size, slice output sizes)
         self.pool = torch.zeros(self.num_slots, self.layout.numel, device=device, dtype=dtype)
         self.buffers = self.layout.views(self.pool)
         self.loader = LoRAOverlapLoader(
@@ -164,6 +168,9 @@ class LoRAManager:
         self.active = None  # the lora_backend's description of the batch, or None: base model only
         self.failed: dict[str, str] = {}  # lora_id -> why its last read from disk failed
         self.num_slot_loads = 0
+        # rank 0 of several: hands slot writes to the other ranks (``tp.LoRAMirror``)
+        self.mirror = None
+        self._mirror_reads: dict = {}  # another rank's: lora_id -> its read in flight
         for ref, adapter in zip(startup, adapters, strict=True):
             self._check(adapter)
             self._register(
@@ -194,7 +201,7 @@ class LoRAManager:
                     f"{self.num_layers} layers"
                 )
             packed, j = MODULE_SLICES[module]
-            n_in, outs = self.sizes[packed]
+            n_in, outs = self.shards[packed].full_in, self.shards[packed].full_outs
             if a.shape[1] != n_in or b.shape[0] != outs[j]:
                 raise ValueError(
                     f"LoRA adapter {adapter.name!r}: layer {layer} {module} is "
@@ -227,8 +234,13 @@ class LoRAManager:
             self._check_pin(ref)
         except ValueError as e:
             return str(e)
-        self.loader.submit(ref, message_id)
+        self._submit(ref, message_id)
         return None
+
+    def _submit(self, ref: LoRARef, purpose) -> None:
+        self.loader.submit(ref, purpose)
+        if self.mirror is not None:
+            self.mirror.read(ref)
 
     def poll(self) -> list[tuple[str, str | None]]:
         """Take the finished disk reads: register loaded adapters, put re-read ones back on the
@@ -269,6 +281,8 @@ class LoRAManager:
         self.failed.pop(lora_id, None)
         self.loader.drop(lora_id)
         self.loader.wanted.discard(lora_id)
+        if self.mirror is not None:
+            self.mirror.drop(lora_id)
         if lora_id in self.slot_ids:
             self.slot_ids[self.slot_ids.index(lora_id)] = None
             self.policy.remove(lora_id)
@@ -323,7 +337,7 @@ class LoRAManager:
         row = self.loader.host.get(lora_id)
         if row is None:
             if not self.loader.reading(lora_id):
-                self.loader.submit(self.infos[lora_id], None)
+                self._submit(self.infos[lora_id], None)
             self.loader.wanted.add(lora_id)
             return False
         slot = self._free_slot()
@@ -332,6 +346,8 @@ class LoRAManager:
         self.slot_ids[slot] = lora_id
         self.num_slot_loads += 1
         logger.info("LoRA adapter %r loading into slot %d", self.infos[lora_id].lora_name, slot)
+        if self.mirror is not None:
+            self.mirror.write(slot, self.infos[lora_id], self.digests[lora_id])
         if self.infos[lora_id].pinned:
             self.loader.drop(lora_id)  # its slot is its home from now on
         return self.loader.copy_to_slot(self.pool, slot, row)
@@ -391,6 +407,8 @@ class LoRAManager:
         self.infos[ref.lora_id], self.digests[ref.lora_id] = ref, "warmup"
         self.slot_ids[slot] = ref.lora_id
         self.pool[slot].zero_()
+        if self.mirror is not None:
+            self.mirror.zero(slot)
         try:
             yield ref
         finally:
@@ -398,6 +416,40 @@ class LoRAManager:
             for table in (self.infos, self.digests, self.refs):
                 table.pop(ref.lora_id, None)
             self.policy.remove(ref.lora_id)
+
+    # ---- another tensor-parallel rank's side of rank 0's slot writes ------------------------
+    # Rank 0 schedules; these mirror its reads and slot writes on a worker rank, in the order
+    # rank 0 sends them, so each slot holds this rank's shard of rank 0's adapter before the
+    # forward that uses it. A start-up adapter is already in the host tier (every rank reads
+    # ``--lora-paths`` the same way at start).
+
+    def mirror_read(self, ref: LoRARef) -> None:
+        """Start reading an adapter rank 0 reads, so its slot write finds it ready."""
+        if ref.lora_id not in self.loader.host and ref.lora_id not in self._mirror_reads:
+            self._mirror_reads[ref.lora_id] = self.loader.read_async(ref)
+
+    def mirror_write(self, slot: int, ref: LoRARef, digest: str) -> None:
+        """Write this rank's shard of adapter ``ref`` into ``slot``; its files must hold what
+        rank 0 read (``digest``), else this rank fails and the server stops."""
+        row = self.loader.host.get(ref.lora_id)
+        if row is None:
+            pending = self._mirror_reads.pop(ref.lora_id, None)
+            adapter, row = pending.result() if pending is not None else self.loader.read(ref)
+            if adapter.digest != digest:
+                raise RuntimeError(
+                    f"LoRA adapter {ref.lora_name!r}: the files at {ref.lora_path!r} differ from "
+                    "those rank 0 read (changed since, or another copy on this host)"
+                )
+            self.loader.keep(ref.lora_id, row)
+        self.slot_ids[slot] = ref.lora_id
+        self.pool[slot].copy_(row)
+
+    def mirror_drop(self, lora_id: str) -> None:
+        self.loader.drop(lora_id)
+        self._mirror_reads.pop(lora_id, None)
+
+    def mirror_zero(self, slot: int) -> None:
+        self.pool[slot].zero_()
 
     def close(self) -> None:
         self.loader.close()

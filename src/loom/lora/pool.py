@@ -7,7 +7,8 @@ Per (layer, packed module) the row holds ``A`` [slices * R, in] and ``B`` [out, 
 where R is the pool's rank: slice ``j``'s A rows sit at ``j * R``, zero-padded past the
 adapter's rank, and ``B`` is block-diagonal (rows of slice ``j`` have non-zeros only in
 columns ``j * R ...``), so one shrink and one expand cover the packed module's slices. Every
-part starts on a multiple of ``ALIGN`` elements so the kernels' loads stay aligned.
+part starts on a multiple of ``ALIGN`` elements so the kernels' loads stay aligned. Under tensor
+parallelism a rank's row holds its shard of each A and B (``shard.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from loom.lora.adapter import LoRAAdapter
+from loom.lora.shard import ModuleShard, shard_pair
 
 # Loom's packed projections and the PEFT modules that are their slices, in output order.
 PACKED = {
@@ -31,10 +33,12 @@ def _aligned(n: int) -> int:
 
 
 class PoolLayout:
-    """``sizes``: each targeted packed module's (input size, slice output sizes); ``rank``: R."""
+    """``shards``: each targeted packed module's shard on this rank (its local input size and
+    slice output sizes size the row); ``rank``: R."""
 
-    def __init__(self, num_layers: int, sizes: dict[str, tuple[int, list[int]]], rank: int):
-        self.num_layers, self.sizes, self.rank = num_layers, dict(sizes), rank
+    def __init__(self, num_layers: int, shards: dict[str, ModuleShard], rank: int):
+        self.num_layers, self.shards, self.rank = num_layers, dict(shards), rank
+        self.sizes = {p: (s.local_in, s.local_outs) for p, s in self.shards.items()}
         # (layer, packed) -> ((offset, shape) of A, (offset, shape) of B)
         self.parts: dict[tuple[int, str], tuple[tuple[int, tuple], tuple[int, tuple]]] = {}
         off = 0
@@ -73,7 +77,7 @@ class PoolLayout:
                     w = adapter.weights.get((layer, module))
                     if w is None:
                         continue
-                    a, b = w
+                    a, b = shard_pair(self.shards[packed], j, *w)
                     k = a.shape[0]
                     first = sum(outs[:j])
                     a_view[j * r : j * r + k].copy_(a)

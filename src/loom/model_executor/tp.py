@@ -81,13 +81,7 @@ def spawn_workers(args: ServerArgs, init_addr: str) -> dict[int, subprocess.Pope
 def check_tp_args(args: ServerArgs) -> None:
     """Refuse, naming them, the features whose state lives outside the model calls rank 0
     sends (each would need its own hand-over to the workers)."""
-    refused = {
-        "--enable-lora": args.enable_lora,
-        "--enable-hierarchical-cache": args.enable_hierarchical_cache,
-    }
-    # their packed layouts are not split along the shards' rows and columns yet
-    if args.quantization in ("gguf", "bitsandbytes"):
-        refused[f"--quantization {args.quantization}"] = True
+    refused = {"--enable-hierarchical-cache": args.enable_hierarchical_cache}
     named = [flag for flag, on in refused.items() if on]
     if named:
         raise ValueError(f"--tp-size {args.tp_size} does not support {', '.join(named)} yet")
@@ -218,6 +212,12 @@ class TPLeader:
                 f"1..{self.size - 1} hung past --dist-timeout {self.timeout} s or died: {e}"
             ) from e
 
+    def attach(self, runner) -> None:
+        """Hand the runner's state that lives outside the model calls to the workers: the LoRA
+        slots' writes."""
+        if runner.lora_manager is not None:
+            runner.lora_manager.mirror = LoRAMirror(self)
+
     def close(self) -> None:
         """Stop the workers (a close call, then a kill after 10 s) and leave the group."""
         from loom.distributed import close_distributed
@@ -242,6 +242,27 @@ class TPLeader:
                 p.wait()
 
 
+class LoRAMirror:
+    """Rank 0's LoRA manager's reads and slot writes, sent to the workers' managers in the
+    order they happen (``LoRAManager.mirror_*``): an adapter's read starts on every rank at once,
+    and a slot write reaches a worker before any forward that reads the slot."""
+
+    def __init__(self, leader: TPLeader) -> None:
+        self.leader = leader
+
+    def read(self, ref) -> None:
+        self.leader.send("lora_manager.mirror_read", {"ref": ref})
+
+    def write(self, slot: int, ref, digest: str) -> None:
+        self.leader.send("lora_manager.mirror_write", {"slot": slot, "ref": ref, "digest": digest})
+
+    def drop(self, lora_id: str) -> None:
+        self.leader.send("lora_manager.mirror_drop", {"lora_id": lora_id})
+
+    def zero(self, slot: int) -> None:
+        self.leader.send("lora_manager.mirror_zero", {"slot": slot})
+
+
 def _receive(v, device: torch.device):
     import torch.distributed as dist
 
@@ -255,7 +276,8 @@ def _receive(v, device: torch.device):
 
 
 def serve_calls(runner) -> None:
-    """A worker's loop: receive rank 0's calls and make them on ``runner`` until ``close``."""
+    """A worker's loop: receive rank 0's calls and make them on ``runner`` (a dotted method:
+    on that attribute of it) until ``close``."""
     import torch.distributed as dist
 
     from loom.distributed import ctrl_group
@@ -269,8 +291,11 @@ def serve_calls(runner) -> None:
         if method == PING:
             continue
         kwargs = {k: _receive(v, runner.device) for k, v in kwargs.items()}
+        target = runner
+        for name in method.split("."):
+            target = getattr(target, name)
         try:
-            getattr(runner, method)(**kwargs)
+            target(**kwargs)
         except ValueError as e:
             # a weight update refused on the same files as rank 0's: the old weights serve on
             # every rank; anything else ends this rank, and rank 0 stops the server

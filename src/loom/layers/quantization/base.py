@@ -7,8 +7,10 @@ built, :func:`apply_quantization` gives each chosen layer its method, which repl
 dense ``weight`` with its own parameters. Those parameters keep the layers' weight loaders:
 loaders hand a quantized layer checkpoint tensors in the method's stored form (``load_form``),
 and the packed layers' loaders place each shard (q/k/v, gate/up, a tensor-parallel slice) by
-rows and columns of that form, so a method must store a weight as ``[out_features, ...]`` rows
-whose columns cut along the input dimension where the loaders cut it.
+rows and columns of that form, so a method must store a weight as ``[out_features, ...]`` rows.
+A row-parallel layer's tensor-parallel slice cuts the input: a parameter whose columns are not
+input elements (packed codes, per-block scales) carries ``input_columns``
+(:func:`column_cut`), which maps the cut to its columns or refuses one inside a block.
 """
 
 from __future__ import annotations
@@ -19,6 +21,22 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+def column_cut(block: int, block_columns: int, what: str):
+    """A parameter's ``input_columns``, for a weight whose rows store each ``block`` input
+    elements in ``block_columns`` columns: the input elements ``[start, start + size)`` as its
+    columns ``(first, count)``, or a ValueError naming ``what`` for a cut inside a block."""
+
+    def cut(start: int, size: int) -> tuple[int, int]:
+        if start % block or size % block:
+            raise ValueError(
+                f"tensor parallelism splits a layer's input at [{start}, {start + size}), "
+                f"inside {what}'s blocks of {block} weights"
+            )
+        return start // block * block_columns, size // block * block_columns
+
+    return cut
 
 
 class LinearMethod(ABC):

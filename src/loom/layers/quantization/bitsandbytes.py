@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.layers.quantization.base import LinearMethod, QuantizationConfig
+from loom.layers.quantization.base import LinearMethod, QuantizationConfig, column_cut
 from loom.layers.quantization.fp8 import shard_rows
 
 BLOCKSIZE = 64
@@ -90,27 +90,38 @@ class BitsAndBytesLinearMethod(LinearMethod):
         out_features, in_features = layer.weight.shape
         s, device = self.spec, layer.weight.device
         if s.bits == 4 and in_features % s.blocksize:
+            share = (
+                f" (this rank's share of {layer.input_size} under --tp-size {layer.tp_size})"
+                if in_features != layer.input_size
+                else ""
+            )
             raise ValueError(
-                f"bitsandbytes 4-bit: input size {in_features} is not a multiple of the block "
-                f"size {s.blocksize}"
+                f"bitsandbytes 4-bit: input size {in_features}{share} is not a multiple of the "
+                f"block size {s.blocksize}"
             )
         if not self.prequantized:
             return  # the dense weight receives the checkpoint; it is quantized after loading
+        # name -> (shape, dtype, the columns of a block of ``blocksize`` inputs; None: the
+        # columns are the inputs, or there is one value a row, whole on every rank)
         if s.bits == 4:
+            what = f"bitsandbytes {s.quant_type}"
             shapes = {
-                "weight": ((out_features, in_features // 2), torch.uint8),
-                "weight_absmax": ((out_features, in_features // s.blocksize), torch.float32),
+                "weight": ((out_features, in_features // 2), torch.uint8, s.blocksize // 2),
+                "weight_absmax": ((out_features, in_features // s.blocksize), torch.float32, 1),
             }
         else:
+            what = "bitsandbytes int8"
             shapes = {
-                "weight": ((out_features, in_features), torch.int8),
-                "SCB": ((out_features,), torch.float32),
+                "weight": ((out_features, in_features), torch.int8, None),
+                "SCB": ((out_features,), torch.float32, None),
             }
-        for name, (shape, dtype) in shapes.items():
+        for name, (shape, dtype, columns) in shapes.items():
             param = nn.Parameter(
                 torch.empty(shape, dtype=dtype, device=device), requires_grad=False
             )
             param.weight_loader = layer.weight_loader
+            if columns is not None:
+                param.input_columns = column_cut(s.blocksize, columns, what)
             setattr(layer, name, param)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.layers.quantization.base import LinearMethod, QuantizationConfig
+from loom.layers.quantization.base import LinearMethod, QuantizationConfig, column_cut
 from loom.layers.quantization.gguf_blocks import BLOCKS, row_bytes
 
 GROUP = 32
@@ -67,6 +67,7 @@ class GGUFLinearMethod(LinearMethod):
             requires_grad=False,
         )
         weight.weight_loader = layer.weight_loader
+        weight.input_columns = column_cut(GROUP, BLOCK_BYTES[self.qtype], self.qtype)
         layer.weight = weight
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -112,6 +113,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
             requires_grad=False,
         )
         weight.weight_loader = layer.weight_loader
+        weight.input_columns = column_cut(*BLOCKS[self.qtype], self.qtype)
         layer.weight = weight
 
     def apply(self, layer, x, bias):
