@@ -132,6 +132,20 @@ def save_tiny_llama(path, seed: int = 0, **overrides) -> str:
     return str(path)
 
 
+def save_pt_copy(src: str, dst) -> str:
+    """``src``'s safetensors checkpoint as a ``pytorch_model.bin`` (``torch.save`` of its
+    tensors) with its config (transformers 5 writes safetensors whatever it is asked)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    dst = pathlib.Path(dst)
+    dst.mkdir(parents=True)
+    shutil.copy(pathlib.Path(src) / "config.json", dst / "config.json")
+    torch.save(load_file(str(pathlib.Path(src) / "model.safetensors")), dst / "pytorch_model.bin")
+    return str(dst)
+
+
 def chat_ids(engine, prompt: str) -> list[int]:
     return engine.apply_chat_template([{"role": "user", "content": prompt}])
 

@@ -11,7 +11,7 @@ import torch
 
 import loom
 from loom.config import ServerArgs
-from tests.conftest import CHAT_PROMPTS, TINY_LLAMA, chat_ids, save_tiny_llama
+from tests.conftest import CHAT_PROMPTS, TINY_LLAMA, chat_ids, save_pt_copy, save_tiny_llama
 from tests.test_llama_parity import _loom_logits, bound_runner
 
 
@@ -114,12 +114,8 @@ def test_pt_loader_reads_pickled_weights_and_refuses_code(tmp_path):
     code when loaded is refused by name."""
     import pickle
 
-    from transformers import AutoModelForCausalLM
-
     st = save_tiny_llama(tmp_path / "st")
-    AutoModelForCausalLM.from_pretrained(st).save_pretrained(
-        tmp_path / "pt", safe_serialization=False
-    )
+    save_pt_copy(st, tmp_path / "pt")
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (3, 20)).tolist()
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     kw = dict(skip_tokenizer_init=True, max_total_tokens=1024, dtype="float32")

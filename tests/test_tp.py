@@ -231,6 +231,25 @@ def test_bitsandbytes_tp2_matches_tp1(bnb_llama):
         assert diff.mean().item() <= 0.02, kw
 
 
+@pytest.mark.parametrize(
+    "kw", [{"quantization": "fp8"}, {"load_format": "layered"}, {"load_format": "pt"}]
+)
+def test_other_loaders_and_fp8_shard_on_load(bnb_llama, kw, tmp_path):
+    """fp8 quantized at load (each rank's rows, per-channel scales), ``layered`` (each layer
+    materialised at its shard's shape) and ``pt`` (a ``*.bin`` checkpoint): TP 2's prompt
+    log-probabilities equal TP 1's up to fp32 summation order."""
+    from tests.conftest import save_pt_copy
+
+    dense, _ = bnb_llama
+    model = save_pt_copy(dense, tmp_path / "pt") if kw.get("load_format") == "pt" else dense
+    prompts = [[(7 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((12, 30))]
+    one = _prompt_logprobs(1, prompts, model=model, **kw)
+    two = _prompt_logprobs(2, prompts, model=model, **kw)
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-4)
+    if "quantization" in kw:  # the fp8 weights are in use
+        assert (one - _prompt_logprobs(1, prompts, model=model)).abs().max().item() > 1e-3
+
+
 def test_tp_refuses_what_it_cannot_split_by_name(tmp_path):
     with pytest.raises(ValueError, match="--enable-hierarchical-cache"):
         loom.Engine(skip_tokenizer_init=True, tp_size=2, enable_hierarchical_cache=True)

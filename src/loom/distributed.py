@@ -78,6 +78,13 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    if _tp_size == 1:
+        return x
+    torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=_tp_group)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _tp_size == 1:
         return x

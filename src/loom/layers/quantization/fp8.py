@@ -7,12 +7,16 @@ by itself. A packed layer's parts (q / k / v, gate / up) keep their own scales a
 scales. Activations are always scaled per token (a static ``input_scale`` is loaded and not
 used). Block-wise scales (``weight_block_size``) are refused.
 
-On GPUs with FP8 tensor cores (compute capability 8.9+: Ada, Hopper) the matmul is
-``torch._scaled_mm`` on FP8 inputs: each token's activations are scaled to E4M3 by their own
-absolute maximum (dynamic per-token scales), the weight by its per-channel scales, accumulated in
-fp32 and written in bf16 (the activations' dtype; fp32 activations take the other path). Elsewhere (the CPU, older GPUs) the weight is
+On GPUs with FP8 support (compute capability 8.9+: Ada, Hopper), up to ``GEMV_MAX_M`` rows of
+bf16 / fp16 activations (decode) go to a weight-only Triton GEMV (``fp8_triton.fp8_gemv``): it
+streams the E4M3 weights once and multiplies them, scaled per channel, with the activations as
+they are, in fp32. More rows of bf16 go to ``torch._scaled_mm`` on FP8 inputs: each token's
+activations are scaled to E4M3 by their own absolute maximum (dynamic per-token scales, one
+Triton kernel: ``fp8_triton.quantize_per_token``), the weight by its per-channel scales,
+accumulated in fp32 and written in bf16 (row-wise scales need bf16 output; fp32 activations,
+and fp16 past the GEMV, take the next path). Elsewhere (the CPU, older GPUs) the weight is
 dequantized per call and multiplied in the activations' dtype: the same numbers as stored, at
-dense speed. Both paths are device tensor work only (CUDA-graph safe).
+dense speed. All paths are device tensor work only (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -24,25 +28,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.layers.quantization.base import LinearMethod, QuantizationConfig
+from loom.layers.quantization.fp8_triton import (
+    FP8,
+    FP8_MAX,
+    GEMV_MAX_M,
+    fp8_gemv,
+    quantize_per_token,
+)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+
+def _chunks(w: torch.Tensor):
+    """``w``'s rows in chunks of about 1M values, each as an fp32 copy: the fp32 working copy
+    of a large weight never exists whole (the layered loader's peak is the final weights plus a
+    layer)."""
+    step = max(1, (1 << 20) // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        yield start, w[start : start + step].to(torch.float32, copy=True)
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``[rows, cols]`` as FP8 E4M3 and each row's fp32 scale (``w ~ q * scale``).
-    Rows are converted in chunks of about 1M values, so the fp32 working copy of a large
-    weight never exists whole (the layered loader's peak is the final weights plus a layer)."""
+def quantize_rows(
+    w: torch.Tensor, row_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[rows, cols]`` as FP8 E4M3 and each row's fp32 scale (``w ~ q * scale``), the
+    scale from each row's absolute maximum, or from ``row_amax`` ``[rows]`` when given."""
     w = w.detach()
     q = torch.empty(w.shape, dtype=FP8, device=w.device)
     scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    step = max(1, (1 << 20) // max(1, w.shape[1]))
-    for start in range(0, w.shape[0], step):
-        chunk = w[start : start + step].to(torch.float32, copy=True)
-        s = (chunk.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)) / FP8_MAX
-        q[start : start + step] = chunk.div_(s).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-        scale[start : start + step] = s.squeeze(-1)
+    for start, chunk in _chunks(w):
+        n = chunk.shape[0]
+        amax = chunk.abs().amax(dim=-1) if row_amax is None else row_amax[start : start + n]
+        s = amax.unsqueeze(-1).clamp(min=1e-12) / FP8_MAX
+        q[start : start + n] = chunk.div_(s).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[start : start + n] = s.squeeze(-1)
     return q, scale
+
+
+def _row_amax(layer: nn.Module) -> torch.Tensor | None:
+    """A row-parallel layer split over ranks: each output row's absolute maximum over every
+    rank's columns, so its scale (and so every FP8 value) is the one tensor parallelism 1 gives.
+    None for other layers (their rows are whole on each rank)."""
+    if getattr(layer, "tp_size", 1) == 1 or not hasattr(layer, "input_size_per_partition"):
+        return None
+    from loom.distributed import tp_all_reduce_max
+
+    w = layer.weight.data.detach()
+    amax = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for start, chunk in _chunks(w):
+        amax[start : start + chunk.shape[0]] = chunk.abs().amax(dim=-1)
+    return tp_all_reduce_max(amax)
 
 
 def _quant_method(hf_config: Any) -> str | None:
@@ -62,7 +95,7 @@ class Fp8LinearMethod(LinearMethod):
         pass  # the dense weight receives the checkpoint; it is quantized after loading
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_rows(layer.weight.data)
+        q, scale = quantize_rows(layer.weight.data, _row_amax(layer))
         layer.register_buffer("weight_fp8", q, persistent=False)
         layer.register_buffer("weight_scale", scale, persistent=False)
         layer.fp8_matmul = fp8_matmul_supported(q.device)
@@ -72,10 +105,13 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        # (row-wise scales need bf16 output)
-        if layer.fp8_matmul and x.dtype == torch.bfloat16 and x2.shape[0] > 0:
-            x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-            xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        rows = x2.shape[0]
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        if layer.fp8_matmul and half and 0 < rows <= GEMV_MAX_M:
+            y = fp8_gemv(x2, layer.weight_fp8, layer.weight_scale, bias)
+        elif layer.fp8_matmul and x.dtype == torch.bfloat16 and rows > 0:
+            # (row-wise scales need bf16 output)
+            xq, x_scale = quantize_per_token(x2)
             y = torch._scaled_mm(
                 xq,
                 layer.weight_fp8.t(),
