@@ -7,6 +7,7 @@
 #   test   the GPU tests of the quantization methods and of the Triton GGUF / LoRA kernels
 #   fp8    batch-1 decode of the Llama-3-8B shape, bf16 against --quantization fp8, and the
 #          1000-request random-length workload with fp8 weights + the fp8 KV cache against bf16
+#   gemv   the fp8 kernels' GPU tests, then bench/fp8_gemv.py at 1, 4, 8 and 16 rows
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
 
 case $section in
@@ -14,6 +15,11 @@ test)
   $py -m pytest -q -m gpu tests/gpu/test_cuda_quantization.py tests/gpu/test_cuda_lora.py \
     tests/test_gguf_triton.py tests/test_lora_triton.py -p no:cacheprovider --tb=short 2>&1 |
     tail -15 | tee -a "$log"
+  ;;
+gemv)
+  $py -m pytest -q -m gpu tests/test_fp8_triton.py -p no:cacheprovider --tb=short 2>&1 |
+    tail -8 | tee -a "$log"
+  $py bench/fp8_gemv.py --m 1 4 8 16 "${@:3}" 2>&1 | tee -a "$log"
   ;;
 fp8)
   latency "8b-bf16-b1" --model $L8 --batch-size 1 --input-len 128 --output-len 256
