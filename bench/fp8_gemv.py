@@ -67,7 +67,7 @@ def sweep_configs(m: int):
             if 2048 <= bn * bk <= 8192:
                 yield GemvConfig(bn, bk, 1, warps, stages)
     else:
-        grid = itertools.product((16, 32), (128, 256, 512), (1, 2, 4), (4, 8), (2, 3))
+        grid = itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4, 8), (3, 4))
         for bn, bk, split, warps, stages in grid:
             yield GemvConfig(bn, bk, split, warps, stages)
 
@@ -105,11 +105,18 @@ def main() -> None:
             def five_op_mm(c):
                 return quant_mm(c, fp8_triton._quantize_per_token_torch)
 
+            def skinny(c, cfg=None):
+                return fp8_triton.fp8_skinny(x, c[0], c[1], config=cfg)  # noqa: B023
+
+            scfg = fp8_triton.skinny_config(m, n, k, fp8_triton._num_sms(x.device.index))
+            ref_s = fp8_triton.skinny_reference(x, wq, scale, scfg.block_k)
+
             t_bf16 = time_us(lambda c: torch.matmul(x, c[0].T), bf16_copies)  # noqa: B023
             print(f"{n:>7}x{k:<5} {m:>3} {'bf16':>9} {t_bf16:8.1f} {nb / t_bf16 / 1e3:7.0f}")
             cfg = fp8_triton.gemv_config(m, n, k, fp8_triton._num_sms(x.device.index))
             runs = [
                 ("gemv", gemv, ref, f"{tuple(cfg)}"),
+                ("skinny", skinny, ref_s, f"{tuple(scfg)}"),
                 ("quant+mm", quant_mm, ref_q, ""),
                 ("5op+mm", five_op_mm, ref_q, ""),
             ]
@@ -133,6 +140,19 @@ def main() -> None:
                     print(f"{'':>13} {c}: {type(e).__name__}: {str(e)[:100]}")
             for us, c in sorted(results)[:3]:
                 print(f"{'':>13} sweep {us:8.1f} {nq / us / 1e3:7.0f} {t_bf16 / us:7.2f}  {c}")
+            results = []
+            grid = itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
+            for bn, bk, warps, stages in grid:
+                c = fp8_triton.SkinnyConfig(bn, bk, scfg.split_k, warps, stages)
+                try:
+                    y = skinny(fp8_copies[0], c).float()
+                    if (y - ref).abs().max().item() > 5e-2 * top:
+                        raise AssertionError("wrong result")
+                    results.append((time_us(lambda w, c=c: skinny(w, c), fp8_copies), c))
+                except Exception as e:  # noqa: BLE001 - report the config and try the next
+                    print(f"{'':>13} {c}: {type(e).__name__}: {str(e)[:100]}")
+            for us, c in sorted(results)[:3]:
+                print(f"{'':>13} skinny {us:7.1f} {nq / us / 1e3:7.0f} {t_bf16 / us:7.2f}  {c}")
         del bf16_copies, fp8_copies
         torch.cuda.empty_cache()
 

@@ -178,36 +178,77 @@ def fp8_layer(n: int, k: int, seed: int, device=DEVICE):
     return SimpleNamespace(weight_fp8=w, weight_scale=scale, fp8_matmul=True)
 
 
+def skinny_bound(x, wd, want, device):
+    """``fp8_skinny`` against ``skinny_reference`` (the same E4M3 activations and block scales
+    in fp32): in the interpreter fp32 dots in another order, as for the GEMV; on a GPU the FP8
+    tensor cores accumulate a block at reduced precision before its promotion to fp32, as
+    cuBLAS's FP8 GEMM does (``scaled_mm_bound``)."""
+    if device == "cpu":
+        return gemv_bound(x, wd, want, out_ulp(x.dtype, device))
+    return scaled_mm_bound(x.float(), wd, want)
+
+
 @needs_triton
-def test_apply_routes_few_rows_to_the_gemv(monkeypatch):
-    """Up to GEMV_MAX_M bf16 / fp16 rows: the GEMV (weights only quantized); fp32 rows: the
-    dequantized matmul, as on the CPU."""
+@pytest.mark.parametrize(
+    "m,n,k,config",
+    [
+        (2, 200, 300, fp8_triton.SkinnyConfig(64, 64, 1, 4, 2)),  # partial tiles, masked K
+        (5, 130, 256, fp8_triton.SkinnyConfig(64, 128, 2, 4, 2)),  # split-K
+        (16, 64, 96, None),  # the default launch, a full 16-row tile
+    ],
+)
+def test_skinny_matches_its_reference(m, n, k, config):
+    w, scale = fp8_weights(n, k, seed=n)
+    x = randn(m, k, seed=m)
+    x[0, :5] *= 50  # an outlier block: its own scale
+    got = fp8_triton.fp8_skinny(x, w, scale, config=config).float()
+    block = (config or fp8_triton.skinny_config(m, n, k)).block_k
+    want = fp8_triton.skinny_reference(x, w, scale, block)
+    wd = dequantized(w, scale)
+    assert ((got - want).abs() <= skinny_bound(x, wd, want, DEVICE)).all()
+    full = x.float() @ wd.T  # and it is x @ W.T within E4M3's rounding of the activations
+    assert (got - full).abs().max() <= 2.0**-4 * (x.float().abs() @ wd.abs().T).max()
+
+
+@needs_triton
+def test_apply_routes_few_rows_to_the_gemv_and_the_skinny_kernel(monkeypatch):
+    """One bf16 / fp16 row: the GEMV (weights only quantized); 2 to SKINNY_MAX_M: the skinny
+    FP8 kernel; fp32 rows: the dequantized matmul, as on the CPU."""
     calls = []
-    real = fp8_method.fp8_gemv
-    monkeypatch.setattr(fp8_method, "fp8_gemv", lambda *a: calls.append(1) or real(*a))
+    gemv, skinny = fp8_method.fp8_gemv, fp8_method.fp8_skinny
+    monkeypatch.setattr(fp8_method, "fp8_gemv", lambda *a: calls.append("gemv") or gemv(*a))
+    monkeypatch.setattr(fp8_method, "fp8_skinny", lambda *a: calls.append("sk") or skinny(*a))
     layer = fp8_layer(20, 64, seed=4)
     wd = dequantized(layer.weight_fp8, layer.weight_scale)
     bias = randn(20, seed=5)
     method = fp8_method.Fp8LinearMethod()
-    for m in (1, fp8_triton.GEMV_MAX_M):
+    for m in (1, 2, fp8_triton.SKINNY_MAX_M):
         x = randn(m, 1, 64, seed=m)
         got = method.apply(layer, x, bias)
-        assert got.shape == (m, 1, 20) and len(calls) == (1 if m == 1 else 2)
-        want = x.float() @ wd.T + bias.float()
-        bound = gemv_bound(x, wd, want, out_ulp(x.dtype, DEVICE)) + 2.0**-24 * bias.float().abs()
-        assert ((got.float() - want).abs() <= bound).all()
+        assert got.shape == (m, 1, 20)
+        assert calls[-1] == ("gemv" if m == 1 else "sk")
+        if m == 1:
+            want = x.float() @ wd.T + bias.float()
+            bound = gemv_bound(x, wd, want, out_ulp(x.dtype, DEVICE))
+        else:
+            x2 = x.reshape(m, 64)
+            block = fp8_triton.skinny_config(m, 20, 64).block_k
+            ref = fp8_triton.skinny_reference(x2, layer.weight_fp8, layer.weight_scale, block)
+            want = (ref.to(x.dtype).float() + bias.float()).reshape(m, 1, 20)
+            bound = skinny_bound(x2, wd, ref, DEVICE).reshape(m, 1, 20) + 2.0**-7 * want.abs()
+        assert ((got.float() - want).abs() <= bound + 2.0**-24 * bias.float().abs()).all()
     x = randn(2, 64, seed=6, dtype=torch.float32)
     got = method.apply(layer, x, None)
-    assert len(calls) == 2 and got.dtype == torch.float32
+    assert len(calls) == 3 and got.dtype == torch.float32
     assert torch.allclose(got, x @ wd.T, rtol=1e-5, atol=1e-6)
 
 
 @needs_triton
 def test_apply_quantizes_more_rows_for_scaled_mm():
-    """Past GEMV_MAX_M bf16 rows: the fused quantization's E4M3 rows and scales into
+    """Past SKINNY_MAX_M bf16 rows: the fused quantization's E4M3 rows and scales into
     ``torch._scaled_mm`` (on the CPU too, where PyTorch has it)."""
     layer = fp8_layer(20, 64, seed=7)
-    x = randn(fp8_triton.GEMV_MAX_M + 4, 64, seed=8)
+    x = randn(fp8_triton.SKINNY_MAX_M + 4, 64, seed=8)
     try:
         got = fp8_method.Fp8LinearMethod().apply(layer, x, None)
     except (RuntimeError, NotImplementedError) as e:  # (a PyTorch without CPU _scaled_mm)
@@ -227,8 +268,9 @@ def test_apply_quantizes_more_rows_for_scaled_mm():
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (512, 4096)])
 @pytest.mark.parametrize("m", [1, 4, 8, 16, 64])
 def test_cuda_apply_matches_the_dequantized_reference(n, k, m):
-    """A layer quantized at load on an FP8 GPU: few rows through the GEMV, more through the fused
-    quantization and ``_scaled_mm``, each within its own numbers' rounding."""
+    """A layer quantized at load on an FP8 GPU: one row through the GEMV, up to 16 through the
+    skinny kernel, more through the fused quantization and ``_scaled_mm``, each within its own
+    numbers' rounding."""
     if not fp8_method.fp8_matmul_supported(torch.device("cuda")):
         pytest.skip("needs compute capability 8.9+")
     layer = torch.nn.Module()
@@ -239,9 +281,13 @@ def test_cuda_apply_matches_the_dequantized_reference(n, k, m):
     wd = dequantized(layer.weight_fp8, layer.weight_scale)
     x = randn(m, k, seed=m)
     got = method.apply(layer, x, None).float()
-    if m <= fp8_triton.GEMV_MAX_M:
+    if m == 1:
         want = x.float() @ wd.T
         bound = gemv_bound(x, wd, want, 2.0**-8)
+    elif m <= fp8_triton.SKINNY_MAX_M:
+        block = fp8_triton.skinny_config(m, n, k).block_k
+        want = fp8_triton.skinny_reference(x, layer.weight_fp8, layer.weight_scale, block)
+        bound = skinny_bound(x, wd, want, "cuda")
     else:
         assert_same_quantization(x)
         q, s = fp8_triton.quantize_per_token(x)
@@ -270,3 +316,23 @@ def test_cuda_gemv_replays_in_a_graph(m):
         x.copy_(randn(m, 4096, seed=seed))
         graph.replay()
         assert torch.equal(y, fp8_triton.fp8_gemv(x, w, scale))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_skinny_replays_in_a_graph():
+    """The skinny kernel at 4 rows (split-K and its sum at N = 4096), captured once and
+    replayed on new inputs: bit-equal to eager calls."""
+    if not fp8_method.fp8_matmul_supported(torch.device("cuda")):
+        pytest.skip("needs compute capability 8.9+")
+    w, scale = fp8_weights(4096, 4096, seed=9)
+    x = randn(4, 4096, seed=10)
+    fp8_triton.fp8_skinny(x, w, scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_triton.fp8_skinny(x, w, scale)
+    for seed in (11, 12):
+        x.copy_(randn(4, 4096, seed=seed))
+        graph.replay()
+        assert torch.equal(y, fp8_triton.fp8_skinny(x, w, scale))

@@ -7,14 +7,16 @@ by itself. A packed layer's parts (q / k / v, gate / up) keep their own scales a
 scales. Activations are always scaled per token (a static ``input_scale`` is loaded and not
 used). Block-wise scales (``weight_block_size``) are refused.
 
-On GPUs with FP8 support (compute capability 8.9+: Ada, Hopper), up to ``GEMV_MAX_M`` rows of
-bf16 / fp16 activations (decode) go to a weight-only Triton GEMV (``fp8_triton.fp8_gemv``): it
-streams the E4M3 weights once and multiplies them, scaled per channel, with the activations as
-they are, in fp32. More rows of bf16 go to ``torch._scaled_mm`` on FP8 inputs: each token's
-activations are scaled to E4M3 by their own absolute maximum (dynamic per-token scales, one
-Triton kernel: ``fp8_triton.quantize_per_token``), the weight by its per-channel scales,
-accumulated in fp32 and written in bf16 (row-wise scales need bf16 output; fp32 activations,
-and fp16 past the GEMV, take the next path). Elsewhere (the CPU, older GPUs) the weight is
+On GPUs with FP8 support (compute capability 8.9+: Ada, Hopper), bf16 / fp16 activations take
+one of three Triton / cuBLAS paths by their row count. One row (batch-1 decode): a weight-only
+GEMV (``fp8_triton.fp8_gemv``) that streams the E4M3 weights once and multiplies them, scaled
+per channel, with the activations as they are, in fp32. 2 to ``SKINNY_MAX_M`` rows:
+``fp8_triton.fp8_skinny``, FP8 tensor-core dots of the stored weights with the activations
+scaled to E4M3 per row and per block of 64 or 128 columns. More rows of bf16:
+``torch._scaled_mm`` on FP8 inputs, each token's activations scaled to E4M3 by their own
+absolute maximum (one Triton kernel: ``fp8_triton.quantize_per_token``), accumulated in fp32
+and written in bf16 (row-wise scales need bf16 output; fp32 activations, and fp16 past the
+skinny kernel, take the next path). Elsewhere (the CPU, older GPUs) the weight is
 dequantized per call and multiplied in the activations' dtype: the same numbers as stored, at
 dense speed. All paths are device tensor work only (CUDA-graph safe).
 """
@@ -31,8 +33,9 @@ from loom.layers.quantization.base import LinearMethod, QuantizationConfig
 from loom.layers.quantization.fp8_triton import (
     FP8,
     FP8_MAX,
-    GEMV_MAX_M,
+    SKINNY_MAX_M,
     fp8_gemv,
+    fp8_skinny,
     quantize_per_token,
 )
 
@@ -107,8 +110,12 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
         half = x.dtype in (torch.bfloat16, torch.float16)
-        if layer.fp8_matmul and half and 0 < rows <= GEMV_MAX_M:
+        if layer.fp8_matmul and half and rows == 1:
             y = fp8_gemv(x2, layer.weight_fp8, layer.weight_scale, bias)
+        elif layer.fp8_matmul and half and 1 < rows <= SKINNY_MAX_M:
+            y = fp8_skinny(x2, layer.weight_fp8, layer.weight_scale)
+            if bias is not None:
+                y = y + bias
         elif layer.fp8_matmul and x.dtype == torch.bfloat16 and rows > 0:
             # (row-wise scales need bf16 output)
             xq, x_scale = quantize_per_token(x2)

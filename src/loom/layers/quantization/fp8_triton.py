@@ -48,13 +48,11 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448 (written as 448.0 inside the kernels)
-# Rows up to which ``Fp8LinearMethod`` takes the GEMV; above, quantize_per_token +
-# ``torch._scaled_mm``. The GEMV reads the weights once for all its rows and pads them to 16
-# for the tensor cores, so up to 16 rows its time is the weight stream's; but its tiles are
-# narrow (16 weight rows), where cuBLAS's FP8 GEMM tiles grow with M and its fixed costs (the
-# activations' quantization, a second launch) amortize. 8 covers small decode batches, where
-# the weight stream is the whole cost; bench/fp8_gemv.py --m 4 8 16 measures the crossover.
-GEMV_MAX_M = 8
+# Rows up to which ``Fp8LinearMethod`` takes ``fp8_skinny`` (one row: ``fp8_gemv``); above,
+# quantize_per_token + ``torch._scaled_mm``. The skinny kernel pads the rows to 16 for the
+# tensor cores, so up to 16 rows its time is the weight stream's (at 4 rows on the H200 0.6-0.9x
+# of _scaled_mm's, whose FP8 GEMM tiles suit more rows).
+SKINNY_MAX_M = 16
 # Programs per SM the GEMV's split-K aims for where N alone gives fewer than half of them:
 # several resident programs, each with a few 4 KB tiles of loads in flight (pipelined), are what
 # cover the memory latency (~25 KB in flight per SM for ~4.8 TB/s at ~0.7 us).
@@ -193,6 +191,57 @@ if HAS_TRITON:
                 q = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
                 tl.store(q_row + k0 + ks, _round_e4m3(q).to(Q.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _skinny_kernel(
+        X, W, S, Y, P, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``BLOCK_N * pid_n ...`` of ``Y = X @ (W * S).T`` over K slice ``pid_k`` with
+        FP8 tensor-core dots: each ``BLOCK_K`` block of X's rows is scaled to E4M3 by its own
+        absolute maximum (``skinny_reference``), dotted with the E4M3 weight tile as it is
+        stored, and the fp32 block sum is scaled back into an fp32 accumulator. The weight
+        tile is the dot's M side (``BLOCK_N`` >= 64 rows) and X's few rows, padded to
+        ``BLOCK_M`` = 16, its N side. ``EMULATE`` (Triton's interpreter): the same numbers
+        through an fp32 dot and an exact round to E4M3."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        ms = tl.arange(0, BLOCK_M)
+        m_ok = ms < M
+        ks = tl.arange(0, BLOCK_K)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        w_ptr = W + rows.to(tl.int64)[:, None] * stride_wn + (k_lo + ks)[None, :]
+        x_ptr = X + ms.to(tl.int64)[:, None] * stride_xm + (k_lo + ks)[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            w = tl.load(w_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+            # (an fp32 division: a Python number's would run in fp64 in the interpreter)
+            inv = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), tl.maximum(amax, 1e-30))
+            inv = tl.where(amax > 0, inv, 0.0)
+            xs = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+            if EMULATE:
+                xq = _round_e4m3(xs)
+                part = tl.dot(w.to(tl.float32), tl.trans(xq), input_precision="ieee")
+            else:
+                part = tl.dot(w, tl.trans(xs.to(W.dtype.element_ty)))
+            acc += part * (amax / 448.0)[None, :]
+            w_ptr += BLOCK_K
+            x_ptr += BLOCK_K
+        out = tl.trans(acc) * tl.load(S + rows, mask=row_ok, other=0.0)[None, :]
+        ok = m_ok[:, None] & row_ok[None, :]
+        if SPLIT_K == 1:
+            y_ptr = Y + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+            tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=ok)
+        else:
+            p_ptr = P + (pid_k * M + ms.to(tl.int64))[:, None] * N + rows[None, :]
+            tl.store(p_ptr, out, mask=ok)
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -210,12 +259,13 @@ def _pow2_ceil(v: int) -> int:
 
 
 def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """The launch for ``m`` rows of ``[n, k]`` weights. ``m == 1``: 2 x 2048 tiles, the byte
-    shape of the bf16 GEMV's measured best (N = 4096 gives 2048 programs). ``m > 1``: 16 x 256
-    dot tiles (4 KB). Split-K when N gives fewer than ``PROGRAMS_PER_SM / 2`` programs per SM,
+    """The launch for ``m`` rows of ``[n, k]`` weights. ``m == 1``: 8 x 1024 tiles (the H200's
+    best of 2-8 KB tiles at 4096 x 4096, 28672 x 4096 and 4096 x 14336: 7.2, 34.4 and 17.7 us,
+    against 8.1, 40.4 and 20.3 for 2 x 2048; ``bench/fp8_gemv.py --sweep``). ``m > 1``: 16 x
+    256 dot tiles. Split-K when N gives fewer than ``PROGRAMS_PER_SM / 2`` programs per SM,
     to about ``PROGRAMS_PER_SM`` per SM."""
     kp = max(16, _pow2_ceil(k))
-    block_n, block_k = (2, min(2048, kp)) if m == 1 else (16, min(256, kp))
+    block_n, block_k = (8, min(1024, kp)) if m == 1 else (16, min(256, kp))
     programs = -(-n // block_n)
     target = PROGRAMS_PER_SM * num_sms
     split = 1
@@ -282,7 +332,10 @@ def fp8_gemv(
 
 def _quantize_per_token_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: five PyTorch ops (abs, amax, divide, clamp, cast)."""
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    # (divided by a tensor: IEEE division on every device; CUDA divides a tensor by a Python
+    # number as a multiplication by its reciprocal, one ulp away)
+    amax = x2.abs().amax(dim=-1, keepdim=True).float()
+    x_scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=1e-12)
     return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
 
 
@@ -306,3 +359,85 @@ def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x2, q, s, k, x2.stride(0), q.stride(0), BLOCK=block, ONE_PASS=k <= block, num_warps=warps
     )
     return q, s
+
+
+class SkinnyConfig(NamedTuple):
+    """A launch of ``_skinny_kernel`` (2 to 16 rows)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def skinny_config(m: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
+    """128 weight rows a tile, by 128 columns (64 for weights of at most 32M values), 8 warps,
+    3 stages: the H200's best at 4 rows (``bench/fp8_gemv.py --sweep``: 11.3 us at 4096 x 4096,
+    35.6 at 28672 x 4096, 22.0 at 4096 x 14336; bf16 12.4, 56.5, 31.3); split-K up to about
+    ``PROGRAMS_PER_SM`` programs per SM where N alone gives fewer than half of them."""
+    block_n = 128
+    block_k = min(64 if n * k <= 1 << 25 else 128, max(32, _pow2_ceil(k)))
+    programs = -(-n // block_n)
+    target = PROGRAMS_PER_SM * num_sms
+    split = 1
+    if 2 * programs < target:
+        split = min(-(-target // programs), -(-k // block_k), 16)
+    return SkinnyConfig(block_n, block_k, split, 8, 3)
+
+
+def skinny_reference(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int):
+    """``fp8_skinny``'s numbers in PyTorch (fp32): X's rows in ``block_k`` blocks, each scaled
+    to E4M3 by its absolute maximum (``x * (448 / amax)``, rounded to nearest even), dotted
+    with the stored weights, scaled back by ``amax / 448`` and summed, times each weight row's
+    scale."""
+    m, k = x2.shape
+    wf = w.float()
+    y = torch.zeros(m, w.shape[0], dtype=torch.float32, device=x2.device)
+    for k0 in range(0, k, block_k):
+        xb = x2[:, k0 : k0 + block_k].float()
+        amax = xb.abs().amax(dim=-1, keepdim=True)
+        # (a tensor divided by a tensor: IEEE division; a Python number divided by a tensor
+        # is a multiplication by its reciprocal)
+        inv = torch.full_like(amax, 448.0) / amax.clamp(min=1e-30)
+        inv = torch.where(amax > 0, inv, torch.zeros_like(amax))
+        xq = (xb * inv).clamp(-448.0, 448.0).to(FP8).float()
+        y += (xq @ wf[:, k0 : k0 + block_k].T) * (amax / 448.0)
+    return y * scale.float()[None, :]
+
+
+def fp8_skinny(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """``x @ (w * scale[:, None]).T`` for a few rows of bf16 / fp16 ``x`` ``[..., K]`` through
+    FP8 tensor-core dots (``_skinny_kernel``): ``w`` ``[N, K]`` E4M3 contiguous along K,
+    ``scale`` ``[N]`` fp32; output in ``x``'s dtype."""
+    k = x.shape[-1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > 16:
+        raise ValueError(f"fp8_skinny takes at most 16 rows, got {m}")
+    if not _use_triton(x2) or m == 0:
+        cfg = config or skinny_config(m, n, k)
+        return skinny_reference(x2, w, scale, cfg.block_k).to(x.dtype).reshape(*x.shape[:-1], n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    scale = scale.reshape(n).float().contiguous()
+    if config is None:
+        config = skinny_config(m, n, k, _num_sms(x2.device.index if x2.is_cuda else None))
+    block_n, block_k, split, warps, stages = config
+    k_split = -(-k // (block_k * split)) * block_k
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _skinny_kernel[(triton.cdiv(n, block_n), split)](
+        x2, w, scale, y, part, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        EMULATE=not x2.is_cuda, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            part, scale, y, m, n, HAS_BIAS=False, SPLIT_K=split, BLOCK=block
+        )
+    return y.reshape(*x.shape[:-1], n)
