@@ -8,6 +8,7 @@
 #   fp8    batch-1 decode of the Llama-3-8B shape, bf16 against --quantization fp8, and the
 #          1000-request random-length workload with fp8 weights + the fp8 KV cache against bf16
 #   gemv   the fp8 kernels' GPU tests, then bench/fp8_gemv.py at 1, 4, 8 and 16 rows
+#   small  decode of the Llama-3-8B shape at batch 1 and 8, bf16 against --quantization fp8
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
 
 case $section in
@@ -20,6 +21,13 @@ gemv)
   $py -m pytest -q -m gpu tests/test_fp8_triton.py -p no:cacheprovider --tb=short 2>&1 |
     tail -8 | tee -a "$log"
   $py bench/fp8_gemv.py --m 1 4 8 16 "${@:3}" 2>&1 | tee -a "$log"
+  ;;
+small)
+  for b in 1 8; do
+    latency "8b-bf16-b$b" --model $L8 --batch-size $b --input-len 128 --output-len 256
+    latency "8b-fp8-b$b" --model $L8 --batch-size $b --input-len 128 --output-len 256 \
+      --quantization fp8
+  done
   ;;
 fp8)
   latency "8b-bf16-b1" --model $L8 --batch-size 1 --input-len 128 --output-len 256
