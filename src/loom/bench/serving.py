@@ -294,6 +294,8 @@ def _engine_delta(before: dict[str, Any], after: dict[str, Any], elapsed: float)
         out["device_busy"] = (
             d["time_device_decode_s"] + d.get("time_device_prefill_s", 0)
         ) / elapsed
+    out["triton_compiles"] = d.get("num_triton_compiles", 0)
+    out["triton_compile_ms"] = 1000 * d.get("time_triton_compile_s", 0.0)
     # each kind of step's host time: count, p50, p99 (ms)
     for kind in ("decode", "prefill", "mixed"):
         key = f"step_hist_{kind}"
@@ -356,6 +358,11 @@ def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
                     f"{eng[kind + '_step_p99_ms']:.2f} ms (x {eng[kind + '_step_count']}, "
                     "bucket upper edges)"
                 )
+        if eng.get("triton_compiles"):
+            print(
+                f"{'Triton compiles':<28}{eng['triton_compiles']} while serving, "
+                f"{eng['triton_compile_ms']:.0f} ms in all"
+            )
         if "device_busy" in eng:
             print(f"{'device busy':<28}{eng['device_busy']:.0%} of the run (decode and prefill)")
         print(f"{'ITL p99 / engine step':<28}{summary['itl_p99_ms'] / eng['step_ms']:.1f}")

@@ -42,6 +42,7 @@ def _wants_warmup(runner, args: ServerArgs) -> bool:
 
 def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = None):
     from loom.engine.warmup import warm_up
+    from loom.model_executor.compile_watch import CompileWatch
     from loom.model_executor.model_runner import ModelRunner
     from loom.scheduler.scheduler import Scheduler
 
@@ -62,10 +63,13 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
     if leader is not None:
         leader.attach(runner)
     sched = Scheduler(args, runner, eos_token_ids)
+    watch = CompileWatch(sched.stats)
+    watch.install()
     if _wants_warmup(runner, args):
         t = time.perf_counter()
         warm_up(sched)  # Triton compiles before the first request, not inside it
         logger.info("warm-up took %.2f s", time.perf_counter() - t)
+    watch.armed = runner.device.type == "cuda"  # (the CPU runs no Triton kernels)
     if runner.device.type == "cuda":
         # What start-up built (the model's modules, graphs, compiled kernels) lives until
         # shutdown: keep it out of the collector's full passes, which otherwise walk it all

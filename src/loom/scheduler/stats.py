@@ -84,6 +84,10 @@ class SchedulerStats:
     time_device_prefill_s: float = 0.0
     # handing each step's outputs to the front end (pickling and sending them, for a process)
     time_emit_s: float = 0.0
+    # Triton kernels compiled after start-up, and their time: each stalled its step
+    # (``model_executor.compile_watch``)
+    num_triton_compiles: int = 0
+    time_triton_compile_s: float = 0.0
     # Host wall time of each step() by what it ran (hist_add buckets): a decode step, a prefill
     # step, and a prefill step into which the running requests' decode was mixed. A request's
     # inter-token gaps are these steps (plus the hand-over to its client).
