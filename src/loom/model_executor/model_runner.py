@@ -391,7 +391,8 @@ class ModelRunner:
                 fit,
                 logit_indices,
             )
-            return self.model.compute_logits(hidden, batch)
+            logits = self.model.compute_logits(hidden, batch)
+            return logits if logit_indices is not None else logits[:bs]
         if logit_indices is not None:
             batch.logit_indices = self._tensor(logit_indices)
         graphs = self.piecewise_graph_runner

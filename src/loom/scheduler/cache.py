@@ -131,6 +131,21 @@ class CacheManager:
             self._write_row(req, start, locs)
         return locs
 
+    def alloc_next_slots(self, reqs) -> list[int] | None:
+        """One slot per request for its next position (``kv_len``), not written into the
+        table; None if out of pages. The same pages as ``alloc_kv(req, 1, write=False)`` per
+        request in turn, from one allocator call (a decode step's rows, on the host's path
+        between steps)."""
+        ps = self.page_size
+        short = [r for r in reqs if r.kv_len // ps >= len(r.kv_pages)]
+        if short:
+            pages = self.alloc_pages(len(short))
+            if pages is None:
+                return None
+            for req, page in zip(short, pages, strict=True):
+                req.kv_pages.append(page)
+        return [r.kv_pages[r.kv_len // ps] * ps + r.kv_len % ps for r in reqs]
+
     def write_slots(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
         """Record one slot per (request row, position) in the req-to-token table, in one copy."""
         table = self.req_to_token_pool.req_to_token

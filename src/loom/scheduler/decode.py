@@ -202,11 +202,8 @@ class DecodeManager:
         if self._time_device:
             self._begin = torch.cuda.Event(enable_timing=True)
             self._begin.record()
-        locs = []
-        for req in reqs:
-            loc = self.cache.alloc_kv(req, 1, write=False)
-            assert loc is not None, "decode room was ensured"
-            locs += loc
+        locs = self.cache.alloc_next_slots(reqs)
+        assert locs is not None, "decode room was ensured"
         positions = [req.kv_len for req in reqs]
         rows = [req.req_pool_idx for req in reqs]
         slots = [req.lora_slot for req in reqs]

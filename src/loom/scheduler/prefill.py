@@ -283,16 +283,14 @@ class PrefillManager:
         not give every running request its next slot without evicting or retracting."""
         if self.decode.pages_needed() > self.cache.num_free:
             return []
-        items, rows, positions, slots = [], [], [], []
-        for req in self.decode.running:
-            loc = self.cache.alloc_kv(req, 1, write=False)
-            if loc is None:  # cannot happen: room was checked
-                raise AssertionError("mixed decode slot")
-            items.append(ExtendItem(req, req.kv_len, 1, decode=True))
-            rows.append(req.req_pool_idx)
-            positions.append(req.kv_len)
-            slots += loc
-        self.cache.write_slots(rows, positions, slots)  # one copy for the running requests
+        running = self.decode.running
+        slots = self.cache.alloc_next_slots(running)
+        if slots is None:  # cannot happen: room was checked
+            raise AssertionError("mixed decode slot")
+        items = [ExtendItem(req, req.kv_len, 1, decode=True) for req in running]
+        self.cache.write_slots(  # one copy for the running requests
+            [r.req_pool_idx for r in running], [r.kv_len for r in running], slots
+        )
         self.stats.num_mixed_batches += 1
         return items
 
