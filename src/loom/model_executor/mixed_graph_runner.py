@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from loom.forward_batch import ForwardBatch, ForwardMode
+from loom.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class MixedGraphRunner:
         else:
             idx = [lay.logit_index(i, n_p, P) for i in logit_indices]
         meta = lay.meta(rows, prefix_lens, extend_lens, k)
-        host = torch.tensor(meta + idx, dtype=torch.int64).to(packed.device, non_blocking=True)
+        host = int64_tensor(meta + idx).to(packed.device, non_blocking=True)
         self.meta.copy_(host[: lay.size])
         st = self.static
         st[:, : P + D].zero_()

@@ -16,7 +16,7 @@ import torch
 
 from loom.config import device_defaults
 from loom.distributed import get_tp_rank, get_tp_size, head_shard
-from loom.forward_batch import ForwardBatch, ForwardMode
+from loom.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from loom.layers.attention.base import AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from loom.model_executor.weights import log_load, model_config_for, swap_weights
@@ -297,8 +297,8 @@ class ModelRunner:
             table[r, :n] = flat[at : at + n]
             at += n
 
-    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _tensor(self, values) -> torch.Tensor:
+        return int64_tensor(values).to(self.device, non_blocking=True)
 
     def _run(self, batch: ForwardBatch, plan: bool = True) -> torch.Tensor:
         self._attach(batch)
@@ -359,9 +359,8 @@ class ModelRunner:
         # rows and sequence lengths; the tokens' KV slots are gathered from the table.
         token_rows = [r for r, e in zip(pool_idx, extend_lens, strict=True) for _ in range(e)]
         src_rows = ids_from[1] if ids_from is not None else []
-        packed = torch.tensor(
-            [*input_ids, *positions, *token_rows, *pool_idx, *seq_lens, *src_rows],
-            dtype=torch.int64,
+        packed = int64_tensor(
+            [*input_ids, *positions, *token_rows, *pool_idx, *seq_lens, *src_rows]
         ).to(self.device, non_blocking=True)
         ids, pos, rows = packed[: 3 * n].view(3, n).unbind(0)
         if src_rows:
@@ -462,10 +461,19 @@ class ModelRunner:
         # One host-to-device copy for the whole batch description.
         rows_cpu = list(req_pool_indices)
         bs = len(rows_cpu)
-        packed = torch.tensor(
-            [input_ids or id_rows or [0] * bs, positions, seq_lens, rows_cpu, out_cache_loc],
-            dtype=torch.int64,
-        ).to(self.device, non_blocking=True)
+        packed = (
+            int64_tensor(
+                [
+                    *(input_ids or id_rows or [0] * bs),
+                    *positions,
+                    *seq_lens,
+                    *rows_cpu,
+                    *out_cache_loc,
+                ]
+            )  # fmt: skip
+            .view(5, bs)
+            .to(self.device, non_blocking=True)
+        )
         ids, pos, lens, rows, locs = packed.unbind(0)
         if input_ids_dev is not None:
             if id_rows is not None:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
+from loom.forward_batch import int64_tensor
 from loom.mem_cache.builder import build_prefix_cache
 from loom.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from loom.scheduler.base import NoPrefixCache
@@ -149,7 +148,7 @@ class CacheManager:
     def write_slots(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
         """Record one slot per (request row, position) in the req-to-token table, in one copy."""
         table = self.req_to_token_pool.req_to_token
-        packed = torch.tensor([rows, positions, slots], dtype=torch.int64)
+        packed = int64_tensor([*rows, *positions, *slots]).view(3, len(rows))
         r, p, s = packed.to(table.device, non_blocking=True).unbind(0)
         table[r, p] = s
         self.req_to_token_pool.dirty.update(rows)
@@ -157,9 +156,9 @@ class CacheManager:
     def _write_row(self, req, start: int, slots: list[int]) -> None:
         table = self.req_to_token_pool.req_to_token
         self.req_to_token_pool.dirty.add(req.req_pool_idx)
-        table[req.req_pool_idx, start : start + len(slots)] = torch.tensor(
-            slots, dtype=torch.int64
-        ).to(table.device, non_blocking=True)
+        table[req.req_pool_idx, start : start + len(slots)] = int64_tensor(slots).to(
+            table.device, non_blocking=True
+        )
 
     def release(self, req, cache: bool = False) -> None:
         """Give back the request's KV and row. With ``cache`` (and a tree), its computed KV is

@@ -20,6 +20,7 @@ import torch
 
 from loom import plugins
 from loom.config import device_defaults
+from loom.forward_batch import int64_tensor
 from loom.lora.slots import LoRASlots, LoRAUnavailable
 from loom.sampling.batch_sampler import BatchSampler
 from loom.scheduler.admission import peak_pages
@@ -413,7 +414,7 @@ class PrefillManager:
         if done != list(range(len(logits))):
             # an index tensor copied without blocking: ``logits[done]`` with a list waits for
             # the device, which kept a chained mixed step from overlapping the next one's launch
-            at = torch.tensor(done, dtype=torch.int64).to(logits.device, non_blocking=True)
+            at = int64_tensor(done).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, at)
         sampled = InflightStep.start(done_reqs, self.sampler.sample(logits, done_reqs, pending))
         self._end_device_span(begin)
