@@ -470,7 +470,7 @@ class ModelRunner:
                     *rows_cpu,
                     *out_cache_loc,
                 ]
-            )  # fmt: skip
+            )
             .view(5, bs)
             .to(self.device, non_blocking=True)
         )
