@@ -39,18 +39,34 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 
+    # set before loading (``GGUFQuantization.apply``): the logits from an int8 copy of the
+    # weight (one scale a row) through PyTorch's CPU int8 matmul
+    int8_head = False
+
     def process_weights_after_loading(self) -> None:
         # The embedding lookup wants rows; the logits GEMV wants the transposed layout, so the
         # head keeps its own copy on CPU fp32 (see relayout_for_cpu_gemv).
         w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32:
+        self._head_weight = self._head_int8 = None
+        if self.int8_head:
+            # rows quantized to int8 by their absolute maximum; the scales in bf16, as the
+            # kernel takes them (SmolLM2's Q8_0 head: a decode step 14.0 against 16.3 ms with
+            # the fp32 head; top-1 against HF 502 / 512 against 511 / 512)
+            scale = w.data.abs().amax(dim=1).clamp(min=1e-12) / 127
+            q = torch.round(w.data / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self._head_int8 = (q, scale.to(torch.bfloat16))
+        elif w.device.type == "cpu" and w.dtype == torch.float32:
             self._head_weight = w.data.t().contiguous().t()
-        else:
-            self._head_weight = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = getattr(self, "_head_weight", None)
-        logits = linear(hidden, self.weight if head is None else head)
+        if getattr(self, "_head_int8", None) is not None:
+            q, scale = self._head_int8
+            h = hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16)
+            logits = torch._weight_int8pack_mm(h, q, scale).to(hidden.dtype)
+            logits = logits.reshape(*hidden.shape[:-1], -1)
+        else:
+            head = getattr(self, "_head_weight", None)
+            logits = linear(hidden, self.weight if head is None else head)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]
