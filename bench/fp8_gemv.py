@@ -2,8 +2,8 @@
 ``torch.matmul`` of the same shape, on a GPU with FP8 support (compute capability 8.9+).
 
     PYTHONPATH=src python bench/fp8_gemv.py              # M = 1 and 4, Llama-3-8B's shapes
-    PYTHONPATH=src python bench/fp8_gemv.py --m 1 4 8 16 # the GEMV / _scaled_mm crossover
-    PYTHONPATH=src python bench/fp8_gemv.py --sweep      # and the best GEMV launch configs
+    PYTHONPATH=src python bench/fp8_gemv.py --m 1 4 8 16 # the skinny / _scaled_mm crossover
+    PYTHONPATH=src python bench/fp8_gemv.py --sweep      # and the best launch configs
     PYTHONPATH=src python bench/fp8_gemv.py --shapes 4096x4096 --m 1 --sweep
 
 Per shape and M: ``bf16`` (cuBLAS), ``gemv`` (the weight-only FP8 GEMV, its default launch),
@@ -22,34 +22,15 @@ import argparse
 import itertools
 
 import torch
+from gguf_gemv import time_us  # (run as a script: this folder is on sys.path)
 
 from loom.layers.quantization import fp8_triton
 from loom.layers.quantization.fp8 import quantize_rows
-from loom.layers.quantization.fp8_triton import GemvConfig
+from loom.layers.quantization.fp8_triton import GemvConfig, SkinnyConfig
 
 # Llama-3-8B: o, qkv, gate_up, down, lm_head (N x K)
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-CALLS, REPS = 20, 10
 MIN_BYTES = 256 * 2**20  # the copies of the weights a graph cycles over: well above the L2
-
-
-def time_us(fn, copies: list) -> float:
-    """Microseconds a call, ``fn(copy)`` over ``copies`` in turn, replayed as a CUDA graph."""
-    for c in copies[:2]:
-        fn(c)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(copies[i % len(copies)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPS * CALLS)
 
 
 def copies_of(tensors: tuple, nbytes: int) -> list:
@@ -58,18 +39,33 @@ def copies_of(tensors: tuple, nbytes: int) -> list:
     ]
 
 
-def sweep_configs(m: int):
-    """GEMV launches to try: one row, tiles of 2-8 KB (no split-K: the 8B shapes' N gives
-    enough programs); several rows, dot tiles of 16-32 rows with and without split-K."""
-    if m == 1:
-        tiles = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)]
-        for (bn, bk), warps, stages in itertools.product(tiles, (4, 8), (2, 3, 4)):
-            if 2048 <= bn * bk <= 8192:
-                yield GemvConfig(bn, bk, 1, warps, stages)
-    else:
-        grid = itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4, 8), (3, 4))
-        for bn, bk, split, warps, stages in grid:
-            yield GemvConfig(bn, bk, split, warps, stages)
+def gemv_configs():
+    """One-row GEMV launches to try: tiles of 2-8 KB (no split-K: the 8B shapes' N gives
+    enough programs)."""
+    tiles = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)]
+    for (bn, bk), warps, stages in itertools.product(tiles, (4, 8), (2, 3, 4)):
+        if 2048 <= bn * bk <= 8192:
+            yield GemvConfig(bn, bk, 1, warps, stages)
+
+
+def skinny_configs(split: int):
+    grid = itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
+    for bn, bk, warps, stages in grid:
+        yield SkinnyConfig(bn, bk, split, warps, stages)
+
+
+def sweep(name, fn, configs, check, copies, nbytes: int, t_bf16: float) -> None:
+    """Time ``fn(weights, config)`` for each of ``configs`` that passes ``check``; print the
+    best three."""
+    results = []
+    for c in configs:
+        try:
+            check(fn(copies[0], c).float())
+            results.append((time_us(lambda w, c=c: fn(w, c), copies), c))
+        except Exception as e:  # noqa: BLE001 - report the config and try the next
+            print(f"{'':>13} {c}: {type(e).__name__}: {str(e)[:100]}")
+    for us, c in sorted(results)[:3]:
+        print(f"{'':>13} {name:>6} {us:7.1f} {nbytes / us / 1e3:7.0f} {t_bf16 / us:7.2f}  {c}")
 
 
 def main() -> None:
@@ -113,9 +109,9 @@ def main() -> None:
 
             t_bf16 = time_us(lambda c: torch.matmul(x, c[0].T), bf16_copies)  # noqa: B023
             print(f"{n:>7}x{k:<5} {m:>3} {'bf16':>9} {t_bf16:8.1f} {nb / t_bf16 / 1e3:7.0f}")
-            cfg = fp8_triton.gemv_config(m, n, k, fp8_triton._num_sms(x.device.index))
-            runs = [
-                ("gemv", gemv, ref, f"{tuple(cfg)}"),
+            cfg = fp8_triton.gemv_config(n, k, fp8_triton._num_sms(x.device.index))
+            runs = [("gemv", gemv, ref, f"{tuple(cfg)}")] if m == 1 else []
+            runs += [
                 ("skinny", skinny, ref_s, f"{tuple(scfg)}"),
                 ("quant+mm", quant_mm, ref_q, ""),
                 ("5op+mm", five_op_mm, ref_q, ""),
@@ -129,30 +125,16 @@ def main() -> None:
                 )
             if not args.sweep:
                 continue
-            results = []
-            for c in sweep_configs(m):
-                try:
-                    y = gemv(fp8_copies[0], c).float()
-                    if (y - ref).abs().max().item() > 1e-2 * top:
-                        raise AssertionError("wrong result")
-                    results.append((time_us(lambda w, c=c: gemv(w, c), fp8_copies), c))
-                except Exception as e:  # noqa: BLE001 - report the config and try the next
-                    print(f"{'':>13} {c}: {type(e).__name__}: {str(e)[:100]}")
-            for us, c in sorted(results)[:3]:
-                print(f"{'':>13} sweep {us:8.1f} {nq / us / 1e3:7.0f} {t_bf16 / us:7.2f}  {c}")
-            results = []
-            grid = itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
-            for bn, bk, warps, stages in grid:
-                c = fp8_triton.SkinnyConfig(bn, bk, scfg.split_k, warps, stages)
-                try:
-                    y = skinny(fp8_copies[0], c).float()
-                    if (y - ref).abs().max().item() > 5e-2 * top:
-                        raise AssertionError("wrong result")
-                    results.append((time_us(lambda w, c=c: skinny(w, c), fp8_copies), c))
-                except Exception as e:  # noqa: BLE001 - report the config and try the next
-                    print(f"{'':>13} {c}: {type(e).__name__}: {str(e)[:100]}")
-            for us, c in sorted(results)[:3]:
-                print(f"{'':>13} skinny {us:7.1f} {nq / us / 1e3:7.0f} {t_bf16 / us:7.2f}  {c}")
+
+            def check(y, bound):
+                if (y - ref).abs().max().item() > bound * top:  # noqa: B023
+                    raise AssertionError("wrong result")
+
+            if m == 1:
+                sweep("gemv", gemv, gemv_configs(), lambda y: check(y, 1e-2),
+                      fp8_copies, nq, t_bf16)  # fmt: skip
+            sweep("skinny", skinny, skinny_configs(scfg.split_k), lambda y: check(y, 5e-2),
+                  fp8_copies, nq, t_bf16)  # fmt: skip
         del bf16_copies, fp8_copies
         torch.cuda.empty_cache()
 

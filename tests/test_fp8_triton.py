@@ -73,54 +73,59 @@ def out_ulp(dtype: torch.dtype, device: str) -> float:
 
 # N = 37 and K = 200: partial tiles along both; block_k 64 < K: several iterations, the last
 # one masked; split_k 2-3: the partials' sum (its last slice shorter, or empty).
-CONFIGS_M1 = [None, GemvConfig(2, 64), GemvConfig(4, 64, split_k=3), GemvConfig(1, 16, 2, 1, 1)]
-CONFIGS_DOT = [None, GemvConfig(16, 64), GemvConfig(16, 32, split_k=3), GemvConfig(32, 128, 2)]
+CONFIGS = [None, GemvConfig(2, 64), GemvConfig(4, 64, split_k=3), GemvConfig(1, 16, 2, 1, 1)]
 
 
 @needs_triton
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("cfg", range(4))
-def test_gemv_matches_fp32_reference(m, cfg):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gemv_matches_fp32_reference(config):
     n, k = 37, 200
-    w, scale = fp8_weights(n, k, seed=m)
-    x = randn(m, k, seed=10 + m)
-    config = (CONFIGS_M1 if m == 1 else CONFIGS_DOT)[cfg]
+    w, scale = fp8_weights(n, k, seed=1)
+    x = randn(1, k, seed=11)
     got = fp8_triton.fp8_gemv(x, w, scale, config=config)
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
     wd = dequantized(w, scale)
     want = x.float() @ wd.T
     assert ((got.float() - want).abs() <= gemv_bound(x, wd, want, out_ulp(x.dtype, DEVICE))).all()
 
 
 @needs_triton
-@pytest.mark.parametrize("m", [1, 5])
-def test_gemv_bias_fp16_and_leading_dims(m):
+def test_gemv_and_skinny_bias_fp16_and_leading_dims():
     """The bias is added in fp32 before the one rounding (split-K: by the summing kernel)."""
     n, k = 24, 96
     w, scale = fp8_weights(n, k, seed=20)
-    x = randn(1, m, k, seed=21, dtype=torch.float16)
     bias = randn(n, seed=22, dtype=torch.float16)
     wd = dequantized(w, scale)
+    x = randn(1, 1, k, seed=21, dtype=torch.float16)
     want = x.float() @ wd.T + bias.float()
-    for config in (None, GemvConfig(16 if m > 1 else 4, 32, split_k=2)):
+    for config in (None, GemvConfig(4, 32, split_k=2)):
         got = fp8_triton.fp8_gemv(x, w, scale, bias, config=config)
-        assert got.shape == (1, m, n) and got.dtype == torch.float16
+        assert got.shape == (1, 1, n) and got.dtype == torch.float16
         bound = gemv_bound(x, wd, want, out_ulp(x.dtype, DEVICE)) + 2.0**-24 * bias.float().abs()
         assert ((got.float() - want).abs() <= bound).all()
+    x = randn(1, 5, k, seed=23, dtype=torch.float16)
+    for config in (None, fp8_triton.SkinnyConfig(64, 32, 2, 4, 2)):
+        got = fp8_triton.fp8_skinny(x, w, scale, bias, config=config)
+        assert got.shape == (1, 5, n) and got.dtype == torch.float16
+        block = (config or fp8_triton.skinny_config(5, n, k)).block_k
+        ref = fp8_triton.skinny_reference(x.reshape(5, k), w, scale, block) + bias.float()
+        bound = skinny_bound(x.reshape(5, k), wd, ref, DEVICE) + 2.0**-24 * bias.float().abs()
+        assert ((got.reshape(5, n).float() - ref).abs() <= bound).all()
 
 
-def test_gemv_config_fills_the_sms():
-    """On an H200's 132 SMs: the 8B shapes give enough programs by N alone (no split-K, so one
-    launch); small N, and N = 4096 in 16-row dot tiles, split K; a K of one block never does."""
+def test_launch_configs_fill_the_sms():
+    """On an H200's 132 SMs: the 8B shapes give the GEMV enough programs by N alone (no
+    split-K, so one launch), and the skinny kernel splits K where its 128-row tiles are few;
+    small N splits, a K of one block never does."""
     sms = 132
-    for m in (1, 4):
-        for n, k in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
-            c = fp8_triton.gemv_config(m, n, k, sms)
-            assert (m == 1 or c.block_n >= 16) and c.block_n * c.block_k <= 8192
-            assert -(-n // c.block_n) * c.split_k >= 2 * sms
-            assert c.split_k == 1 or (m, n) == (4, 4096)
-    assert fp8_triton.gemv_config(1, 256, 4096, sms).split_k > 1
-    assert fp8_triton.gemv_config(1, 40, 100, sms).split_k == 1
+    shapes = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    for n, k in shapes:
+        c = fp8_triton.gemv_config(n, k, sms)
+        assert c.split_k == 1 and -(-n // c.block_n) >= 2 * sms
+        s = fp8_triton.skinny_config(4, n, k, sms)
+        assert -(-n // s.block_n) * s.split_k >= 2 * sms
+    assert fp8_triton.gemv_config(256, 4096, sms).split_k > 1
+    assert fp8_triton.gemv_config(40, 100, sms).split_k == 1
 
 
 def test_gemv_rejects_bad_inputs():
@@ -129,6 +134,10 @@ def test_gemv_rejects_bad_inputs():
         fp8_triton.fp8_gemv(torch.randn(1, 48, dtype=torch.bfloat16), w, scale)
     with pytest.raises(ValueError, match="bf16 / fp16"):
         fp8_triton.fp8_gemv(torch.randn(1, 32), w, scale)
+    with pytest.raises(ValueError, match="one row, got 2"):
+        fp8_triton.fp8_gemv(torch.randn(2, 32, dtype=torch.bfloat16), w, scale)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fp8_triton.fp8_skinny(torch.randn(17, 32, dtype=torch.bfloat16), w, scale)
 
 
 # ---- the activation quantization, bit for bit ----------------------------------------------
@@ -299,10 +308,10 @@ def test_cuda_apply_matches_the_dequantized_reference(n, k, m):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1])
 def test_cuda_gemv_replays_in_a_graph(m):
-    """Captured once (N = 4096: one kernel at one row, split-K and its sum at four), replayed on
-    new inputs: bit-equal to eager calls (no host-side state, a fixed summation order)."""
+    """Captured once (N = 4096: one kernel), replayed on new inputs: bit-equal to eager calls
+    (no host-side state, a fixed summation order)."""
     if not fp8_method.fp8_matmul_supported(torch.device("cuda")):
         pytest.skip("needs compute capability 8.9+")
     w, scale = fp8_weights(4096, 4096, seed=9)

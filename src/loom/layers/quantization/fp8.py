@@ -113,9 +113,7 @@ class Fp8LinearMethod(LinearMethod):
         if layer.fp8_matmul and half and rows == 1:
             y = fp8_gemv(x2, layer.weight_fp8, layer.weight_scale, bias)
         elif layer.fp8_matmul and half and 1 < rows <= SKINNY_MAX_M:
-            y = fp8_skinny(x2, layer.weight_fp8, layer.weight_scale)
-            if bias is not None:
-                y = y + bias
+            y = fp8_skinny(x2, layer.weight_fp8, layer.weight_scale, bias)
         elif layer.fp8_matmul and x.dtype == torch.bfloat16 and rows > 0:
             # (row-wise scales need bf16 output)
             xq, x_scale = quantize_per_token(x2)

@@ -1,26 +1,23 @@
 """Triton kernels for ``--quantization fp8`` on GPUs with FP8 support (compute capability 8.9+).
 
-``fp8_gemv(x, w, scale)`` is ``x @ (w * scale[:, None]).T`` for a few rows of ``x`` (decode):
-``w`` ``[N, K]`` float8_e4m3fn, ``scale`` ``[N]`` fp32, ``x`` ``[M, K]`` bf16 / fp16, fp32
-accumulation, output in ``x``'s dtype. Decode is bound by reading the weights, so the kernel
-streams them once, one byte per weight, in 16-byte loads along K; the activations are a few KB
-and stay in L1/L2. Each program owns ``BLOCK_N`` weight rows and one of ``SPLIT_K`` slices of
-K, walking it ``BLOCK_K`` columns at a time:
+``fp8_gemv(x, w, scale)`` is ``x @ (w * scale[:, None]).T`` for one row of ``x`` (batch-1
+decode): ``w`` ``[N, K]`` float8_e4m3fn, ``scale`` ``[N]`` fp32, ``x`` ``[1, K]`` bf16 / fp16,
+fp32 accumulation, output in ``x``'s dtype. Decode is bound by reading the weights, so the
+kernel streams them once, one byte per weight, in 16-byte loads along K; the activations are a
+few KB and stay in L1/L2. Each program owns ``BLOCK_N`` weight rows and one of ``SPLIT_K``
+slices of K, walking it ``BLOCK_K`` columns at a time with CUDA-core FMAs into an fp32
+``[BLOCK_N, BLOCK_K]`` accumulator, reduced across threads once after the loop (a reduction per
+iteration would put shuffles and shared-memory round trips into the streaming loop).
 
-* ``M == 1``: CUDA-core FMAs into an fp32 ``[BLOCK_N, BLOCK_K]`` accumulator, reduced across
-  threads once after the loop (a reduction per iteration would put shuffles and, when K spans
-  warps, shared-memory round trips into the streaming loop). This is ``loom.layers.gemv``'s
-  bf16 kernel, which streams 3.8-4.4 TB/s on an H200 at its best tile of 2 x 1024 bf16
-  (4 KB an iteration); here the same 4 KB is 2 x 2048 E4M3.
-* ``M > 1``: ``tl.dot`` of the weight tile (converted to ``x``'s dtype, exactly: every E4M3
-  value is a bf16 and an fp16) with ``x``'s rows padded to 16: the tensor cores do the ``M``
-  multiply-adds per weight that would otherwise bind the CUDA cores.
+``fp8_skinny(x, w, scale)`` is the same product for 2-16 rows through FP8 tensor-core dots
+(``_skinny_kernel``): the activations are scaled to E4M3 per row and block of columns, so the
+weights go to the tensor cores as stored, with no conversion.
 
 With ``SPLIT_K > 1`` each slice writes fp32 partials ``[SPLIT_K, M, N]`` and a second kernel sums
 them in a fixed order (deterministic, unlike fp32 atomics) and casts. Split-K runs only where N
-alone gives too few programs to keep every SM streaming (small N: tensor-parallel shards, and
-the 16-row dot tiles). The per-channel scale multiplies once per output; the bias (if any) is
-added in fp32 before the one rounding to ``x``'s dtype.
+alone gives too few programs to keep every SM streaming (small N: tensor-parallel shards). The
+per-channel scale multiplies once per output; the bias (if any) is added in fp32 before the one
+rounding to ``x``'s dtype.
 
 ``quantize_per_token(x)`` is the activation quantization of the ``torch._scaled_mm`` path for
 larger M in one kernel: each row's absmax, ``scale = max(absmax / 448, 1e-12)`` and
@@ -60,8 +57,7 @@ PROGRAMS_PER_SM = 4
 
 
 class GemvConfig(NamedTuple):
-    """A GEMV launch; ``M == 1`` takes the FMA path, ``M > 1`` the dot path (``block_n >= 16``
-    there)."""
+    """A launch of ``_gemv_kernel`` (one row)."""
 
     block_n: int
     block_k: int
@@ -75,51 +71,12 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gemv_kernel(
-        X, W, S, B, Y, P, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    def _store_out(
+        out, S, B, Y, P, rows, row_ok, ms, m_ok, pid_k, M, N, stride_ym,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Rows ``BLOCK_N * pid_n ...`` of ``Y = X @ (W * S).T`` over K slice ``pid_k``
-        (``k_split`` columns, a multiple of ``BLOCK_K``, so a tile never straddles two slices).
-        ``BLOCK_M == 1``: CUDA-core FMAs; else ``tl.dot`` over ``BLOCK_M >= 16`` padded rows.
-        ``SPLIT_K == 1`` stores ``Y`` (with the bias), else fp32 partials into ``P``."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        ms = tl.arange(0, BLOCK_M)
-        m_ok = ms < M
-        ks = tl.arange(0, BLOCK_K)
-        k_lo = pid_k * k_split
-        k_hi = tl.minimum(k_lo + k_split, K)
-        w_ptr = W + rows.to(tl.int64)[:, None] * stride_wn + (k_lo + ks)[None, :]
-        if BLOCK_M == 1:
-            x_ptr = X + k_lo + ks
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                k_ok = (k0 + ks) < K
-                w = tl.load(w_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_ptr, mask=k_ok, other=0.0)
-                acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-                w_ptr += BLOCK_K
-                x_ptr += BLOCK_K
-            out = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
-        else:
-            x_ptr = X + ms.to(tl.int64)[:, None] * stride_xm + (k_lo + ks)[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                k_ok = (k0 + ks) < K
-                w = tl.load(w_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                if DOT_F32:  # Triton's interpreter multiplies bf16 bit patterns as integers
-                    xt = tl.trans(x.to(tl.float32))
-                    acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc)
-                w_ptr += BLOCK_K
-                x_ptr += BLOCK_K
-            out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        """``out`` ``[BLOCK_M, BLOCK_N]`` (fp32 sums of ``rows``) times the rows' scales: into
+        ``Y`` with the bias (one slice), or as slice ``pid_k``'s fp32 partials into ``P``."""
         out = out * tl.load(S + rows, mask=row_ok, other=0.0)[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
         if SPLIT_K == 1:
@@ -130,6 +87,38 @@ if HAS_TRITON:
         else:
             p_ptr = P + (pid_k * M + ms.to(tl.int64))[:, None] * N + rows[None, :]
             tl.store(p_ptr, out, mask=ok)
+
+    @triton.jit
+    def _gemv_kernel(
+        X, W, S, B, Y, P, N, K, k_split, stride_wn,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``BLOCK_N * pid_n ...`` of ``Y = X @ (W * S).T`` for X's one row, over K slice
+        ``pid_k`` (``k_split`` columns, a multiple of ``BLOCK_K``, so a tile never straddles
+        two slices)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        ks = tl.arange(0, BLOCK_K)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        w_ptr = W + rows.to(tl.int64)[:, None] * stride_wn + (k_lo + ks)[None, :]
+        x_ptr = X + k_lo + ks
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            w = tl.load(w_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptr += BLOCK_K
+            x_ptr += BLOCK_K
+        one = tl.arange(0, 1)
+        _store_out(
+            tl.sum(acc, axis=1)[None, :], S, B, Y, P, rows, row_ok, one, one < 1, pid_k, 1, N,
+            0, HAS_BIAS, SPLIT_K,
+        )  # fmt: skip
 
     @triton.jit
     def _split_sum_kernel(
@@ -193,9 +182,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_kernel(
-        X, W, S, Y, P, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
+        X, W, S, B, Y, P, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
         """Rows ``BLOCK_N * pid_n ...`` of ``Y = X @ (W * S).T`` over K slice ``pid_k`` with
         FP8 tensor-core dots: each ``BLOCK_K`` block of X's rows is scaled to E4M3 by its own
@@ -233,14 +222,10 @@ if HAS_TRITON:
             acc += part * (amax / 448.0)[None, :]
             w_ptr += BLOCK_K
             x_ptr += BLOCK_K
-        out = tl.trans(acc) * tl.load(S + rows, mask=row_ok, other=0.0)[None, :]
-        ok = m_ok[:, None] & row_ok[None, :]
-        if SPLIT_K == 1:
-            y_ptr = Y + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
-            tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=ok)
-        else:
-            p_ptr = P + (pid_k * M + ms.to(tl.int64))[:, None] * N + rows[None, :]
-            tl.store(p_ptr, out, mask=ok)
+        _store_out(
+            tl.trans(acc), S, B, Y, P, rows, row_ok, ms, m_ok, pid_k, M, N, stride_ym,
+            HAS_BIAS, SPLIT_K,
+        )  # fmt: skip
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -258,20 +243,21 @@ def _pow2_ceil(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
 
-def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """The launch for ``m`` rows of ``[n, k]`` weights. ``m == 1``: 8 x 1024 tiles (the H200's
-    best of 2-8 KB tiles at 4096 x 4096, 28672 x 4096 and 4096 x 14336: 7.2, 34.4 and 17.7 us,
-    against 8.1, 40.4 and 20.3 for 2 x 2048; ``bench/fp8_gemv.py --sweep``). ``m > 1``: 16 x
-    256 dot tiles. Split-K when N gives fewer than ``PROGRAMS_PER_SM / 2`` programs per SM,
-    to about ``PROGRAMS_PER_SM`` per SM."""
-    kp = max(16, _pow2_ceil(k))
-    block_n, block_k = (8, min(1024, kp)) if m == 1 else (16, min(256, kp))
+def gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """The launch for one row of ``[n, k]`` weights: 8 x 1024 tiles (the H200's best of 2-8 KB
+    tiles at 4096 x 4096, 28672 x 4096 and 4096 x 14336: 7.2, 34.4 and 17.7 us, against 8.1,
+    40.4 and 20.3 for 2 x 2048; ``bench/fp8_gemv.py --sweep``); split-K when N gives fewer than
+    ``PROGRAMS_PER_SM / 2`` programs per SM, to about ``PROGRAMS_PER_SM`` per SM."""
+    block_n, block_k = 8, min(1024, max(16, _pow2_ceil(k)))
+    return GemvConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms))
+
+
+def _split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
     programs = -(-n // block_n)
     target = PROGRAMS_PER_SM * num_sms
-    split = 1
-    if 2 * programs < target:
-        split = min(-(-target // programs), -(-k // block_k), 16)
-    return GemvConfig(block_n, block_k, split)
+    if 2 * programs >= target:
+        return 1
+    return min(-(-target // programs), -(-k // block_k), 16)
 
 
 def _gemv_torch(x2, w, scale, bias):
@@ -279,6 +265,24 @@ def _gemv_torch(x2, w, scale, bias):
     if bias is not None:
         y += bias.float()
     return y.to(x2.dtype)
+
+
+def _check_weights(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
+    k = x.shape[-1]
+    if w.dtype != FP8 or w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
+        raise ValueError(f"{name}: want float8_e4m3fn [N, {k}] contiguous along K, got "
+                         f"{w.dtype} {tuple(w.shape)}")  # fmt: skip
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} takes bf16 / fp16 activations, got {x.dtype}")
+
+
+def _launch_split(part, bias, scale, y, m: int, n: int, split: int) -> None:
+    """Sum the split-K partials into ``y`` (with the bias)."""
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else scale, y, m, n,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block,
+    )  # fmt: skip
 
 
 def fp8_gemv(
@@ -289,44 +293,32 @@ def fp8_gemv(
     *,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """``x @ (w * scale[:, None]).T (+ bias)`` for ``x`` ``[..., K]`` bf16 / fp16, ``w``
-    ``[N, K]`` float8_e4m3fn (contiguous along K), ``scale`` ``[N]`` fp32; in ``x``'s dtype,
-    fp32 accumulation. Any number of rows runs, but the kernel is built for a few (it reads
-    the weights once and multiplies each by every row). ``config`` overrides ``gemv_config``."""
-    k = x.shape[-1]
-    n = w.shape[0]
-    if w.dtype != FP8 or w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
-        raise ValueError(f"want float8_e4m3fn [N, {k}] contiguous along K, got {w.dtype} "
-                         f"{tuple(w.shape)}")  # fmt: skip
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fp8_gemv takes bf16 / fp16 activations, got {x.dtype}")
+    """``x @ (w * scale[:, None]).T (+ bias)`` for one row ``x`` ``[..., K]`` (leading dims
+    of size 1) bf16 / fp16, ``w`` ``[N, K]`` float8_e4m3fn (contiguous along K), ``scale``
+    ``[N]`` fp32; in ``x``'s dtype, fp32 accumulation. ``config`` overrides ``gemv_config``."""
+    _check_weights(x, w, "fp8_gemv")
+    k, n = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if not _use_triton(x2) or m == 0:
+    if x2.shape[0] != 1:
+        raise ValueError(f"fp8_gemv multiplies one row, got {x2.shape[0]} (fp8_skinny: 2-16)")
+    if not _use_triton(x2):
         return _gemv_torch(x2, w, scale, bias).reshape(*x.shape[:-1], n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = x2.contiguous()
     scale = scale.reshape(n).float().contiguous()
     if config is None:
-        config = gemv_config(m, n, k, _num_sms(x2.device.index if x2.is_cuda else None))
+        config = gemv_config(n, k, _num_sms(x2.device.index if x2.is_cuda else None))
     block_n, block_k, split, warps, stages = config
-    block_m = 1 if m == 1 else max(16, _pow2_ceil(m))
-    if block_m > 1 and block_n < 16:
-        raise ValueError(f"{m} rows take the dot path, which needs block_n >= 16 ({config})")
     k_split = -(-k // (block_k * split)) * block_k
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else scale  # (an unread pointer without a bias)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x2, w, scale, b, y, part, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, DOT_F32=not x2.is_cuda, num_warps=warps, num_stages=stages,
+        x2, w, scale, b, y, part, n, k, k_split, w.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            part, b, y, m, n, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block
-        )
+        _launch_split(part, bias, scale, y, 1, n, split)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -378,12 +370,7 @@ def skinny_config(m: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
     ``PROGRAMS_PER_SM`` programs per SM where N alone gives fewer than half of them."""
     block_n = 128
     block_k = min(64 if n * k <= 1 << 25 else 128, max(32, _pow2_ceil(k)))
-    programs = -(-n // block_n)
-    target = PROGRAMS_PER_SM * num_sms
-    split = 1
-    if 2 * programs < target:
-        split = min(-(-target // programs), -(-k // block_k), 16)
-    return SkinnyConfig(block_n, block_k, split, 8, 3)
+    return SkinnyConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms), 8, 3)
 
 
 def skinny_reference(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int):
@@ -407,22 +394,28 @@ def skinny_reference(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, blo
 
 
 def fp8_skinny(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """``x @ (w * scale[:, None]).T`` for a few rows of bf16 / fp16 ``x`` ``[..., K]`` through
-    FP8 tensor-core dots (``_skinny_kernel``): ``w`` ``[N, K]`` E4M3 contiguous along K,
-    ``scale`` ``[N]`` fp32; output in ``x``'s dtype."""
-    k = x.shape[-1]
-    n = w.shape[0]
+    """``x @ (w * scale[:, None]).T (+ bias)`` for 1-16 rows of bf16 / fp16 ``x`` ``[..., K]``
+    through FP8 tensor-core dots (``_skinny_kernel``): ``w`` ``[N, K]`` E4M3 contiguous along
+    K, ``scale`` ``[N]`` fp32; output in ``x``'s dtype."""
+    _check_weights(x, w, "fp8_skinny")
+    k, n = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > 16:
         raise ValueError(f"fp8_skinny takes at most 16 rows, got {m}")
     if not _use_triton(x2) or m == 0:
-        cfg = config or skinny_config(m, n, k)
-        return skinny_reference(x2, w, scale, cfg.block_k).to(x.dtype).reshape(*x.shape[:-1], n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+        block = (config or skinny_config(m, n, k)).block_k
+        y = skinny_reference(x2, w, scale, block)
+        y = y if bias is None else y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    x2 = x2.contiguous()
     scale = scale.reshape(n).float().contiguous()
     if config is None:
         config = skinny_config(m, n, k, _num_sms(x2.device.index if x2.is_cuda else None))
@@ -430,14 +423,12 @@ def fp8_skinny(
     k_split = -(-k // (block_k * split)) * block_k
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    b = bias if bias is not None else scale  # (an unread pointer without a bias)
     _skinny_kernel[(triton.cdiv(n, block_n), split)](
-        x2, w, scale, y, part, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        EMULATE=not x2.is_cuda, num_warps=warps, num_stages=stages,
+        x2, w, scale, b, y, part, m, n, k, k_split, x2.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, EMULATE=not x2.is_cuda, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            part, scale, y, m, n, HAS_BIAS=False, SPLIT_K=split, BLOCK=block
-        )
+        _launch_split(part, bias, scale, y, m, n, split)
     return y.reshape(*x.shape[:-1], n)
