@@ -36,6 +36,20 @@ class ReqToTokenPool:
     def free(self, index: int) -> None:
         self._free.append(index)
 
+    def take_rows(self, rows: list[int], lens: list[int]) -> torch.Tensor:
+        """Tensor-parallel rank 0: ``rows`` up to ``lens``, concatenated, for the other ranks;
+        they are clean from now on."""
+        self.dirty.difference_update(rows)
+        table = self.req_to_token
+        return torch.cat([table[r, :n] for r, n in zip(rows, lens, strict=True)])
+
+    def put_rows(self, rows: list[int], lens: list[int], flat: torch.Tensor) -> None:
+        """Another rank: write rank 0's entries of ``rows`` (``take_rows``)."""
+        at = 0
+        for r, n in zip(rows, lens, strict=True):
+            self.req_to_token[r, :n] = flat[at : at + n]
+            at += n
+
 
 class PageAllocator:
     """Hands out KV pages; page ids are 1..num_pages (page 0 is the padding page)."""

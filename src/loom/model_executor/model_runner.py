@@ -282,21 +282,6 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------------------
 
-    def _rows_for_ranks(self, rows: list[int], lens: list[int]) -> torch.Tensor:
-        """Rank 0: the table's ``rows`` up to ``lens``, concatenated, for the other ranks; they
-        are clean from now on."""
-        table = self.req_to_token_pool.req_to_token
-        self.req_to_token_pool.dirty.difference_update(rows)
-        return torch.cat([table[r, :n] for r, n in zip(rows, lens, strict=True)])
-
-    def _apply_rows(self, rows: list[int], lens: list[int], flat: torch.Tensor) -> None:
-        """A worker rank: write rank 0's entries of ``rows`` (``_rows_for_ranks``)."""
-        table = self.req_to_token_pool.req_to_token
-        at = 0
-        for r, n in zip(rows, lens, strict=True):
-            table[r, :n] = flat[at : at + n]
-            at += n
-
     def _tensor(self, values) -> torch.Tensor:
         return int64_tensor(values).to(self.device, non_blocking=True)
 
@@ -348,11 +333,11 @@ class ModelRunner:
                     "lora_slots": lora_slots,
                     "logit_indices": logit_indices,
                     "ids_from": ids_from,
-                    "table_rows": self._rows_for_ranks(pool_idx, seq_lens),
+                    "table_rows": self.req_to_token_pool.take_rows(pool_idx, seq_lens),
                 },
             )
         elif table_rows is not None:
-            self._apply_rows(pool_idx, seq_lens, table_rows)
+            self.req_to_token_pool.put_rows(pool_idx, seq_lens, table_rows)
         table = self.req_to_token_pool.req_to_token
         bs, n = len(pool_idx), len(input_ids)
         # One host-to-device copy: each token's id, position and request row, then the request
@@ -441,7 +426,7 @@ class ModelRunner:
             fix = None
             if stale:
                 rows, lens = [r for r, _ in stale], [p for _, p in stale]
-                fix = (rows, lens, self._rows_for_ranks(rows, lens))
+                fix = (rows, lens, self.req_to_token_pool.take_rows(rows, lens))
             self.tp_leader.send(
                 "forward_decode",
                 {
@@ -456,7 +441,7 @@ class ModelRunner:
                 },
             )
         elif table_fix is not None:
-            self._apply_rows(*table_fix)
+            self.req_to_token_pool.put_rows(*table_fix)
         seq_lens = [p + 1 for p in positions]
         # One host-to-device copy for the whole batch description.
         rows_cpu = list(req_pool_indices)
