@@ -129,3 +129,28 @@ def test_http_update_weights_from_disk(ckpts, want):
         assert r.status_code == 400 and "model_path" in r.text
     finally:
         s.stop()
+
+
+def test_a_swap_another_rank_refuses_copies_nothing(ckpts):
+    """Tensor parallelism: a rank whose own load succeeded copies nothing when another rank's
+    failed (the agreement before the copy), and answers that rank's error."""
+    from loom.model_executor.weights import swap_weights
+
+    a, b, _ = ckpts
+    with loom.Engine(model=a, **KW) as e:
+        runner = e.runner
+        before = {k: v.clone() for k, v in runner.model.state_dict().items()}
+        seen = []
+
+        def agree(error):
+            seen.append(error)
+            return "rank 1: cannot read model.safetensors"
+
+        args = runner.args.replace(model=b)
+        with pytest.raises(ValueError, match="rank 1: cannot read"):
+            swap_weights(
+                runner.model, runner.model_config, args, runner.dtype, runner.device, agree
+            )
+        assert seen == [None]  # this rank's own load and checks passed
+        after = runner.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)

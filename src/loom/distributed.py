@@ -126,3 +126,14 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tensor-parallel size {denominator}")
     return numerator // denominator
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """Every rank's ``error`` (None: it succeeded) exchanged over the control group: the first
+    one of any rank, named by its rank when it is another's, or None when all succeeded."""
+    every: list[str | None] = [None] * _tp_size
+    torch.distributed.all_gather_object(every, error, group=ctrl_group())
+    for rank, e in enumerate(every):
+        if e is not None:
+            return e if rank == _tp_rank else f"rank {rank}: {e}"
+    return None

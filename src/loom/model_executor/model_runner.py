@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.config import device_defaults
-from loom.distributed import get_tp_rank, get_tp_size, head_shard
+from loom.distributed import agree_on_error, get_tp_rank, get_tp_size, head_shard
 from loom.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from loom.layers.attention.base import AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
@@ -110,8 +110,9 @@ class ModelRunner:
                 "update_weights_from_disk", {"model_path": model_path, "load_format": load_format}
             )
         args = self.args.replace(model=model_path, load_format=load_format or self.args.load_format)
+        agree = agree_on_error if get_tp_size() > 1 else None  # every rank copies, or none
         self.loader, self.model_config = swap_weights(
-            self.model, self.model_config, args, self.dtype, self.device
+            self.model, self.model_config, args, self.dtype, self.device, agree
         )
         self.model_path = self.model_config.path
 

@@ -297,8 +297,9 @@ def serve_calls(runner) -> None:
         try:
             target(**kwargs)
         except ValueError as e:
-            # a weight update refused on the same files as rank 0's: the old weights serve on
-            # every rank; anything else ends this rank, and rank 0 stops the server
+            # a weight update that any rank refused (the ranks agree before copying): the old
+            # weights serve on every rank; anything else ends this rank, and rank 0 stops the
+            # server
             if method != "update_weights_from_disk":
                 raise
             logger.warning("weight update refused: %s", e)

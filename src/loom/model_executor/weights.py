@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,25 +115,15 @@ def log_load(model: torch.nn.Module, device: torch.device, seconds: float) -> No
     logger.info("loaded the model in %.1f s: weights %.2f GiB, %s", seconds, weights / 2**30, peak)
 
 
-def swap_weights(
-    model: torch.nn.Module,
-    current: ModelConfig,
-    args: ServerArgs,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[ModelLoader, ModelConfig]:
-    """Load the checkpoint ``args`` names (its ``model`` and ``load_format``) into a new model
-    and copy its tensors into ``model``'s in place, so that CUDA graphs and kernels keep their
-    addresses; returns the new loader and config. Raises ValueError when it cannot (another
-    architecture, a tensor of another name, shape or dtype) with ``model`` untouched; the new
-    model is built whole first, so this needs memory for a second copy of the weights."""
+def _load_checked(model, current: ModelConfig, args: ServerArgs, dtype, device):
+    """The checkpoint ``args`` names, loaded whole and checked against ``model``: (loader,
+    config, {name: (old, new)}); a ValueError naming the first difference."""
     loader, config = model_config_for(args, dtype)
     path = config.path
     if config.architecture != current.architecture:
         raise ValueError(
             f"{path} is a {config.architecture}, this server runs a {current.architecture}"
         )
-    start = time.perf_counter()
     new = loader.load_model(config, DeviceConfig(device))
     old_tensors, new_tensors = model_tensors(model), model_tensors(new)
     if old_tensors.keys() != new_tensors.keys():
@@ -145,8 +136,38 @@ def swap_weights(
                 f"{path}: {name} is {t.dtype} {tuple(t.shape)}, this model's "
                 f"{old.dtype} {tuple(old.shape)}"
             )
+    return loader, config, {name: (old, new_tensors[name]) for name, old in old_tensors.items()}
+
+
+def swap_weights(
+    model: torch.nn.Module,
+    current: ModelConfig,
+    args: ServerArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    agree: Callable[[str | None], str | None] | None = None,
+) -> tuple[ModelLoader, ModelConfig]:
+    """Load the checkpoint ``args`` names (its ``model`` and ``load_format``) into a new model
+    and copy its tensors into ``model``'s in place, so that CUDA graphs and kernels keep their
+    addresses; returns the new loader and config. Raises ValueError when it cannot (another
+    architecture, a tensor of another name, shape or dtype, files it cannot read) with
+    ``model`` untouched; the new model is built whole first, so this needs memory for a second
+    copy of the weights. ``agree`` (tensor parallelism): given this rank's error or None before
+    anything is copied, returns the first error of any rank or None, so that every rank copies
+    or none does."""
+    start = time.perf_counter()
+    error, ready = None, None
+    try:
+        ready = _load_checked(model, current, args, dtype, device)
+    except Exception as e:  # noqa: BLE001 - the model is untouched: reported, not fatal
+        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    if agree is not None:
+        error = agree(error)
+    if error is not None:
+        raise ValueError(error)
+    loader, config, pairs = ready
     with torch.inference_mode():
-        for name, old in old_tensors.items():
-            old.copy_(new_tensors[name])
-    logger.info("weights updated from %s in %.1f s", path, time.perf_counter() - start)
+        for old, new in pairs.values():
+            old.copy_(new)
+    logger.info("weights updated from %s in %.1f s", config.path, time.perf_counter() - start)
     return loader, config
