@@ -91,7 +91,7 @@ GENERATE_FIELDS: dict[str, tuple[str, str]] = {
     "return_entropy": (REFUSED, "entropies are not returned"),
     "return_prompt_token_ids": (USED, "Add the prompt's ids to the result (prompt_token_ids)."),
     "external_trace_header": (NO_EFFECT, "Trace context (Loom does not trace)."),
-    "received_time": (NO_EFFECT, "When a router received the request."),
+    "received_time": (NO_EFFECT, "A router's arrival timestamp for the request."),
     "need_wait_for_mm_inputs": (REFUSED, _TEXT_ONLY),
     "num_items_assigned": (REFUSED, _TEXT_ONLY),
     "encoder_urls": (REFUSED, _TEXT_ONLY),
