@@ -26,7 +26,7 @@ from gguf_gemv import time_us  # (run as a script: this folder is on sys.path)
 
 from loom.layers.quantization import fp8_triton
 from loom.layers.quantization.fp8 import quantize_rows
-from loom.layers.quantization.fp8_triton import GemvConfig, SkinnyConfig
+from loom.layers.quantization.fp8_triton import TileConfig
 
 # Llama-3-8B: o, qkv, gate_up, down, lm_head (N x K)
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -45,13 +45,13 @@ def gemv_configs():
     tiles = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)]
     for (bn, bk), warps, stages in itertools.product(tiles, (4, 8), (2, 3, 4)):
         if 2048 <= bn * bk <= 8192:
-            yield GemvConfig(bn, bk, 1, warps, stages)
+            yield TileConfig(bn, bk, 1, warps, stages)
 
 
 def skinny_configs(split: int):
     grid = itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
     for bn, bk, warps, stages in grid:
-        yield SkinnyConfig(bn, bk, split, warps, stages)
+        yield TileConfig(bn, bk, split, warps, stages)
 
 
 def sweep(name, fn, configs, check, copies, nbytes: int, t_bf16: float) -> None:

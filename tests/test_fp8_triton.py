@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from loom.layers.quantization import fp8 as fp8_method  # noqa: E402
 from loom.layers.quantization import fp8_triton  # noqa: E402
-from loom.layers.quantization.fp8_triton import FP8, GemvConfig  # noqa: E402
+from loom.layers.quantization.fp8_triton import FP8, TileConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not fp8_triton.HAS_TRITON, reason="triton not installed")
@@ -73,7 +73,7 @@ def out_ulp(dtype: torch.dtype, device: str) -> float:
 
 # N = 37 and K = 200: partial tiles along both; block_k 64 < K: several iterations, the last
 # one masked; split_k 2-3: the partials' sum (its last slice shorter, or empty).
-CONFIGS = [None, GemvConfig(2, 64), GemvConfig(4, 64, split_k=3), GemvConfig(1, 16, 2, 1, 1)]
+CONFIGS = [None, TileConfig(2, 64), TileConfig(4, 64, split_k=3), TileConfig(1, 16, 2, 1, 1)]
 
 
 @needs_triton
@@ -98,13 +98,13 @@ def test_gemv_and_skinny_bias_fp16_and_leading_dims():
     wd = dequantized(w, scale)
     x = randn(1, 1, k, seed=21, dtype=torch.float16)
     want = x.float() @ wd.T + bias.float()
-    for config in (None, GemvConfig(4, 32, split_k=2)):
+    for config in (None, TileConfig(4, 32, split_k=2)):
         got = fp8_triton.fp8_gemv(x, w, scale, bias, config=config)
         assert got.shape == (1, 1, n) and got.dtype == torch.float16
         bound = gemv_bound(x, wd, want, out_ulp(x.dtype, DEVICE)) + 2.0**-24 * bias.float().abs()
         assert ((got.float() - want).abs() <= bound).all()
     x = randn(1, 5, k, seed=23, dtype=torch.float16)
-    for config in (None, fp8_triton.SkinnyConfig(64, 32, 2, 4, 2)):
+    for config in (None, TileConfig(64, 32, 2, 4, 2)):
         got = fp8_triton.fp8_skinny(x, w, scale, bias, config=config)
         assert got.shape == (1, 5, n) and got.dtype == torch.float16
         block = (config or fp8_triton.skinny_config(5, n, k)).block_k
@@ -201,8 +201,8 @@ def skinny_bound(x, wd, want, device):
 @pytest.mark.parametrize(
     "m,n,k,config",
     [
-        (2, 200, 300, fp8_triton.SkinnyConfig(64, 64, 1, 4, 2)),  # partial tiles, masked K
-        (5, 130, 256, fp8_triton.SkinnyConfig(64, 128, 2, 4, 2)),  # split-K
+        (2, 200, 300, TileConfig(64, 64, 1, 4, 2)),  # partial tiles, masked K
+        (5, 130, 256, TileConfig(64, 128, 2, 4, 2)),  # split-K
         (16, 64, 96, None),  # the default launch, a full 16-row tile
     ],
 )

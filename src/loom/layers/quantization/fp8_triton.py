@@ -56,8 +56,9 @@ SKINNY_MAX_M = 16
 PROGRAMS_PER_SM = 4
 
 
-class GemvConfig(NamedTuple):
-    """A launch of ``_gemv_kernel`` (one row)."""
+class TileConfig(NamedTuple):
+    """A launch of ``_gemv_kernel`` (one row) or ``_skinny_kernel`` (2 to 16 rows): each
+    program's weight tile, the K slices, warps and pipeline stages."""
 
     block_n: int
     block_k: int
@@ -243,13 +244,13 @@ def _pow2_ceil(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
 
-def gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+def gemv_config(n: int, k: int, num_sms: int = 132) -> TileConfig:
     """The launch for one row of ``[n, k]`` weights: 8 x 1024 tiles (the H200's best of 2-8 KB
     tiles at 4096 x 4096, 28672 x 4096 and 4096 x 14336: 7.2, 34.4 and 17.7 us, against 8.1,
     40.4 and 20.3 for 2 x 2048; ``bench/fp8_gemv.py --sweep``); split-K when N gives fewer than
     ``PROGRAMS_PER_SM / 2`` programs per SM, to about ``PROGRAMS_PER_SM`` per SM."""
     block_n, block_k = 8, min(1024, max(16, _pow2_ceil(k)))
-    return GemvConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms))
+    return TileConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms))
 
 
 def _split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
@@ -291,7 +292,7 @@ def fp8_gemv(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    config: GemvConfig | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """``x @ (w * scale[:, None]).T (+ bias)`` for one row ``x`` ``[..., K]`` (leading dims
     of size 1) bf16 / fp16, ``w`` ``[N, K]`` float8_e4m3fn (contiguous along K), ``scale``
@@ -353,24 +354,14 @@ def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-class SkinnyConfig(NamedTuple):
-    """A launch of ``_skinny_kernel`` (2 to 16 rows)."""
-
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-def skinny_config(m: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
+def skinny_config(m: int, n: int, k: int, num_sms: int = 132) -> TileConfig:
     """128 weight rows a tile, by 128 columns (64 for weights of at most 32M values), 8 warps,
     3 stages: the H200's best at 4 rows (``bench/fp8_gemv.py --sweep``: 11.3 us at 4096 x 4096,
     35.6 at 28672 x 4096, 22.0 at 4096 x 14336; bf16 12.4, 56.5, 31.3); split-K up to about
     ``PROGRAMS_PER_SM`` programs per SM where N alone gives fewer than half of them."""
     block_n = 128
     block_k = min(64 if n * k <= 1 << 25 else 128, max(32, _pow2_ceil(k)))
-    return SkinnyConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms), 8, 3)
+    return TileConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms), 8, 3)
 
 
 def skinny_reference(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_k: int):
@@ -399,7 +390,7 @@ def fp8_skinny(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    config: SkinnyConfig | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """``x @ (w * scale[:, None]).T (+ bias)`` for 1-16 rows of bf16 / fp16 ``x`` ``[..., K]``
     through FP8 tensor-core dots (``_skinny_kernel``): ``w`` ``[N, K]`` E4M3 contiguous along
