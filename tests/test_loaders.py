@@ -215,8 +215,9 @@ def many_layers(tmp_path_factory) -> str:
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_layered_loader_peak_memory(many_layers, quantization):
     """Measured in a fresh process (``loom bench load``'s measurement): loading layer by layer
-    adds at most 1.3x the loaded weights to the resident set, and less than the plain loader,
-    which maps the whole file and (with fp8) holds every dense weight before quantizing."""
+    adds at most 1.3x the loaded weights to the resident set. Dense, that is less than the
+    plain loader, which maps the whole file; with fp8 the plain loader loads layer by layer
+    too (else it would hold every dense weight before quantizing), within the same bound."""
     from loom.bench.load import measure
 
     kw = dict(model=many_layers, dtype="bfloat16", quantization=quantization)
@@ -224,4 +225,7 @@ def test_layered_loader_peak_memory(many_layers, quantization):
     layered = measure({**kw, "load_format": "layered"})
     assert layered["weights_bytes"] == plain["weights_bytes"]
     assert layered["peak_bytes"] <= 1.3 * layered["weights_bytes"], layered
-    assert layered["peak_bytes"] < plain["peak_bytes"], (layered, plain)
+    if quantization is None:
+        assert layered["peak_bytes"] < plain["peak_bytes"], (layered, plain)
+    else:
+        assert plain["peak_bytes"] <= 1.3 * plain["weights_bytes"], plain

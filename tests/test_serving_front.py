@@ -208,3 +208,23 @@ def test_consumer_merges_pending_outputs_up_to_the_finishing_one():
     assert inc["output_ids"] == [5, 6] and st.output_ids == [5, 6]
     assert inc["meta_info"]["finish_reason"]["type"] == "length"
     assert "error" not in inc["meta_info"] and forgotten == ["r"] and st.finished
+
+
+def test_a_steps_outputs_cross_the_process_boundary_unchanged():
+    """A step's outputs pickle as rows of fields (the scheduler's wire form) and come back as
+    equal ``ReqOutput``s: tokens, finish reasons, errors, logprob extras, stats and time."""
+    import pickle
+
+    from loom.scheduler.messages import ReqOutput, SchedulerBatchOut
+
+    outs = [
+        ReqOutput("a", [5, 6], 10, 2, cached_tokens=4),
+        ReqOutput("b", [7], 3, 1, finished_reason={"type": "length", "length": 1}),
+        ReqOutput("c", [], 0, 0, finished_reason={"type": "abort"}, error="bad request"),
+        ReqOutput("d", [9], 2, 1, extra={"output_token_logprobs": [(-0.5, 9)]}),
+    ]
+    batch = SchedulerBatchOut(outs, {"num_running_reqs": 3, "step_hist_decode": [0, 2]}, 12.5)
+    back = pickle.loads(pickle.dumps(batch))
+    assert back == batch
+    assert all(type(o) is ReqOutput for o in back.outputs)
+    assert back.outputs[0].extra is not back.outputs[1].extra  # each output its own dict

@@ -9,7 +9,47 @@
 #          1000-request random-length workload with fp8 weights + the fp8 KV cache against bf16
 #   gemv   the fp8 kernels' GPU tests, then bench/fp8_gemv.py at 1, 4, 8 and 16 rows
 #   small  decode of the Llama-3-8B shape at batch 1 and 8, bf16 against --quantization fp8
+#   loaders [CONFIG] [GROUPS]
+#          load time and peak memory of each weight loader (`loom bench load`, bf16, one load a
+#          process) on random weights of CONFIG's shape (default the Llama-3-8B shape), written
+#          by bench/make_checkpoint.py into /tmp/ck8b (/tmp/ck-NAME for another CONFIG) on the
+#          GPU, or on the CPU where there is none. GROUPS (comma-separated, default all, in this
+#          order) and their loads:
+#            safetensors  auto, layered, auto + --quantization fp8, layered + fp8
+#            remote       --model http://127.0.0.1:PORT/ (python -m http.server on the
+#                         safetensors directory), copied into a cache under /tmp first; the row's
+#                         fetch_s is the copy, load_s the load from the copy
+#            pt           pytorch_model-*.bin shards
+#            modelopt     a ModelOpt FP8 export (detected by itself), with auto and layered
+#          Each row also has the group's tag and host_peak_bytes (the largest resident set of the
+#          load's processes, interpreter and CUDA runtime included). The loads read the
+#          checkpoint from the page cache (just written). A format's directory (16 GB in bf16
+#          for the 8B shape, modelopt 8.5 GB) is deleted once no later group of the call reads
+#          it, the remote cache after its load; an existing directory is reused, so a call cut
+#          short is resumed by the next while the machine is warm. GGUF is not measured here.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
+
+load_one() {  # TAG, then `loom bench load` flags (one format): its row, tagged, with the host's
+  # peak (ru_maxrss of the load's process tree) and the JSON object $row_extra's fields
+  echo "== $1" | tee -a "$log"
+  $py - "$out/results.jsonl" "$@" <<'PYEOF' 2>&1 | tail -6 | tee -a "$log"
+import json, os, resource, subprocess, sys, tempfile
+result, tag, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+with tempfile.TemporaryDirectory() as tmp:
+    rows = os.path.join(tmp, "rows.jsonl")
+    cmd = [sys.executable, "-m", "loom.cli", "bench", "load", "--result-file", rows, *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    print(done.stdout.strip() if done.returncode == 0 else done.stderr[-3000:])
+    if done.returncode != 0:
+        sys.exit(done.returncode)
+    (row,) = [json.loads(line) for line in open(rows)]
+host = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+row.update(tag=tag, host_peak_bytes=host, **json.loads(os.environ.get("row_extra") or "{}"))
+with open(result, "a") as f:
+    f.write(json.dumps(row) + "\n")
+print(f"  host peak {host / 2**20:.0f} MiB")
+PYEOF
+}
 
 case $section in
 test)
@@ -36,6 +76,72 @@ fp8)
   offline "8b-bf16-1000" --model $L8 "${wl[@]}" "${@:3}"
   offline "8b-fp8-kvfp8-1000" --model $L8 "${wl[@]}" --quantization fp8 \
     --kv-cache-dtype fp8_e4m3 "${@:3}"
+  ;;
+loaders)
+  cfg=${3:-$L8}
+  IFS=, read -ra groups <<<"${4:-safetensors,remote,pt,modelopt}"
+  for g in "${groups[@]}"; do
+    case $g in
+    safetensors | remote | pt | modelopt) ;;
+    *) echo "unknown loaders group: $g" >&2 && exit 2 ;;
+    esac
+  done
+  ck=/tmp/ck-$(basename "$cfg" .json)
+  [ "$cfg" = "$L8" ] && ck=/tmp/ck8b
+  dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+  echo "== loaders: $cfg on $dev, checkpoints in $ck, groups ${groups[*]}" | tee -a "$log"
+  lflags=(--device "$dev" --dtype bfloat16)
+  checkpoint() {  # FORMAT: $ck/FORMAT, written unless there
+    [ -d "$ck/$1" ] || $py bench/make_checkpoint.py "$cfg" "$ck" --formats "$1" \
+      --dtype bfloat16 --device "$dev" 2>&1 | tail -3 | tee -a "$log"
+  }
+  format_of() { [ "$1" = remote ] && echo safetensors || echo "$1"; }
+  for i in "${!groups[@]}"; do
+    g=${groups[$i]}
+    fmt=$(format_of "$g")
+    checkpoint "$fmt"
+    case $g in
+    safetensors)
+      load_one st-auto --model "$ck/safetensors" --load-formats auto "${lflags[@]}"
+      load_one st-layered --model "$ck/safetensors" --load-formats layered "${lflags[@]}"
+      load_one st-fp8 --model "$ck/safetensors" --load-formats auto --quantization fp8 \
+        "${lflags[@]}"
+      load_one st-layered-fp8 --model "$ck/safetensors" --load-formats layered \
+        --quantization fp8 "${lflags[@]}"
+      ;;
+    remote)
+      cache=/tmp/loom-remote-cache port=8765
+      $py -m http.server $port --bind 127.0.0.1 --directory "$ck/safetensors" \
+        >/dev/null 2>&1 &
+      server=$!
+      url=http://127.0.0.1:$port
+      $py -c "import socket, sys, time
+for _ in range(100):
+    try: socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=1).close(); break
+    except OSError: time.sleep(0.1)" $port
+      fetch_s=$(LOOM_CACHE_DIR=$cache $py -c "import sys, time
+from loom.model_loader.remote import fetch_model
+start = time.perf_counter(); fetch_model(sys.argv[1])
+print(f'{time.perf_counter() - start:.2f}')" \
+        "$url" 2>"$out/fetch.err") || tail -5 "$out/fetch.err" | tee -a "$log"
+      echo "fetched $url in ${fetch_s:-(failed)} s: $(du -sh "$cache" | cut -f1)" | tee -a "$log"
+      LOOM_CACHE_DIR=$cache row_extra="{\"fetch_s\": ${fetch_s:-null}}" load_one remote \
+        --model "$url" --load-formats auto "${lflags[@]}"
+      kill "$server"
+      rm -rf "$cache"
+      ;;
+    pt)
+      load_one pt --model "$ck/pt" --load-formats pt "${lflags[@]}"
+      ;;
+    modelopt)
+      load_one modelopt-auto --model "$ck/modelopt" --load-formats auto "${lflags[@]}"
+      load_one modelopt-layered --model "$ck/modelopt" --load-formats layered "${lflags[@]}"
+      ;;
+    esac
+    later=$(for h in "${groups[@]:$((i + 1))}"; do format_of "$h"; done)
+    grep -qx "$fmt" <<<"$later" || rm -rf "${ck:?}/$fmt"
+  done
+  rmdir "$ck" 2>/dev/null
   ;;
 *)
   unknown_section

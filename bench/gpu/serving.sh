@@ -22,6 +22,8 @@
 #   rates SHAPE "SERVER_FLAGS" N RATE...  one server started with SERVER_FLAGS (and
 #                   --incremental-streaming-output), then a Poisson run of N requests from 4
 #                   workers at each RATE in turn
+#   abrates SHAPE "SERVER_FLAGS" N ROUNDS RATE...  ROUNDS of: a server of bench_base/src, then one
+#                   of src (both with SERVER_FLAGS), each under the Poisson runs of `rates`
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
 #   tools SHAPE     chat requests forced to call a tool (--tool-choice required, then named)
 #                   against the same requests without tools, at concurrency 1 (16 requests)
@@ -49,8 +51,9 @@ url=http://127.0.0.1:$port
 serve() {  # SRC_DIR, then `loom serve` flags; waits until /health answers
   local src=$1; shift
   # SRC_DIR's loom in place of the tree's (the other entries stay: wheels under /tmp)
+  echo "== server ($src) $*" >>"$out/server-$shape.log"  # every server's log kept, in order
   PYTHONPATH="$src:${PYTHONPATH//$PWD\/src:/}" $py -m loom.cli serve --model $model --load-format dummy \
-    --tokenizer-path .tok --dtype bfloat16 --port $port "$@" >"$out/server-$shape.log" 2>&1 &
+    --tokenizer-path .tok --dtype bfloat16 --port $port "$@" >>"$out/server-$shape.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 300); do
     curl -sf $url/health >/dev/null && return 0
@@ -116,6 +119,23 @@ rates)  # SHAPE "SERVER_FLAGS" N RATE...
     client "generate x4 rate $r [$flags]" --num-workers 4 --request-rate "$r" --num-prompts "$n"
   done
   stop
+  ;;
+abrates)  # SHAPE "SERVER_FLAGS" N ROUNDS RATE...: base and new servers in turn, each at every RATE
+  flags=${4?usage: bash $0 OUTDIR abrates SHAPE "SERVER_FLAGS" N ROUNDS RATE...}
+  n=${5:?usage: bash $0 OUTDIR abrates SHAPE "SERVER_FLAGS" N ROUNDS RATE...}
+  rounds=${6:?usage: bash $0 OUTDIR abrates SHAPE "SERVER_FLAGS" N ROUNDS RATE...}
+  [ -d bench_base/src/loom ] || { echo "bench_base/src is missing (bench/gpu/ab.sh)" >&2; exit 2; }
+  for _ in $(seq "$rounds"); do
+    for side in base new; do
+      src=$([ $side = base ] && echo bench_base/src || echo src)
+      # shellcheck disable=SC2086  # the flags are words
+      serve $src --incremental-streaming-output $flags || exit 1
+      for r in "${@:7}"; do
+        client "$side generate x4 rate $r [$flags]" --num-workers 4 --request-rate "$r" --num-prompts "$n"
+      done
+      stop
+    done
+  done
   ;;
 base)
   serve bench_base/src || exit 1

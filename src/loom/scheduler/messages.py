@@ -105,3 +105,26 @@ class SchedulerBatchOut:
     # time.monotonic() when the scheduler emitted it (one clock for every process of this
     # machine): the front end measures its hand-over delay from here
     sent_at: float = field(default_factory=time.monotonic)
+
+    def __reduce__(self):
+        # Pickled as one tuple per output: pickle's default form of a dataclass instance
+        # (its class, then a state dict) costs 5x as much on each end, 1 us an output, and
+        # a step carries one output per running request (measured on the CPU machine).
+        rows = [
+            (
+                o.rid,
+                o.new_token_ids,
+                o.prompt_tokens,
+                o.completion_tokens,
+                o.cached_tokens,
+                o.finished_reason,
+                o.error,
+                o.extra,
+            )
+            for o in self.outputs
+        ]
+        return (_batch_from_rows, (rows, self.stats, self.sent_at))
+
+
+def _batch_from_rows(rows: list[tuple], stats: dict[str, Any], sent_at: float) -> SchedulerBatchOut:
+    return SchedulerBatchOut([ReqOutput(*row) for row in rows], stats, sent_at)
