@@ -16,6 +16,8 @@
 #          GPU, or on the CPU where there is none. GROUPS (comma-separated, default all, in this
 #          order) and their loads:
 #            safetensors  auto, layered, auto + --quantization fp8, layered + fp8
+#            bnb          bitsandbytes (NF4 quantized at load), layered + --quantization
+#                         bitsandbytes (needs the bitsandbytes package)
 #            remote       --model http://127.0.0.1:PORT/ (python -m http.server on the
 #                         safetensors directory), copied into a cache under /tmp first; the row's
 #                         fetch_s is the copy, load_s the load from the copy
@@ -82,7 +84,7 @@ loaders)
   IFS=, read -ra groups <<<"${4:-safetensors,remote,pt,modelopt}"
   for g in "${groups[@]}"; do
     case $g in
-    safetensors | remote | pt | modelopt) ;;
+    safetensors | bnb | remote | pt | modelopt) ;;
     *) echo "unknown loaders group: $g" >&2 && exit 2 ;;
     esac
   done
@@ -95,7 +97,7 @@ loaders)
     [ -d "$ck/$1" ] || $py bench/make_checkpoint.py "$cfg" "$ck" --formats "$1" \
       --dtype bfloat16 --device "$dev" 2>&1 | tail -3 | tee -a "$log"
   }
-  format_of() { [ "$1" = remote ] && echo safetensors || echo "$1"; }
+  format_of() { case $1 in remote | bnb) echo safetensors ;; *) echo "$1" ;; esac; }
   for i in "${!groups[@]}"; do
     g=${groups[$i]}
     fmt=$(format_of "$g")
@@ -108,6 +110,11 @@ loaders)
         "${lflags[@]}"
       load_one st-layered-fp8 --model "$ck/safetensors" --load-formats layered \
         --quantization fp8 "${lflags[@]}"
+      ;;
+    bnb)
+      load_one st-bnb-nf4 --model "$ck/safetensors" --load-formats bitsandbytes "${lflags[@]}"
+      load_one st-layered-bnb-nf4 --model "$ck/safetensors" --load-formats layered \
+        --quantization bitsandbytes "${lflags[@]}"
       ;;
     remote)
       cache=/tmp/loom-remote-cache port=8765

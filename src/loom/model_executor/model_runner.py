@@ -127,6 +127,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and not args.disable_cuda_graph
             and self.attn_backend.supports_cuda_graph
+            and self._graph_safe_layers()
         ):
             # Eager decode of a large model costs ~10 ms of host time per step (hundreds of
             # launches), which large batches cannot hide: capture up to the running limit.
@@ -136,6 +137,20 @@ class ModelRunner:
                 self.capture_piecewise_graphs(args.piecewise_cuda_graph_max_tokens)
             if self._wants_mixed_graphs() and self.attn_backend.supports_mixed_graph:
                 self.capture_mixed_graphs(min(max_bs, self.max_running_requests))
+
+    def _graph_safe_layers(self) -> bool:
+        """Whether every layer's quantization method can run inside a CUDA graph; if not, the
+        model runs eagerly, as with --disable-cuda-graph, and the log says which method."""
+        unsafe = {
+            type(m.quant_method).__name__
+            for m in self.model.modules()
+            if not getattr(getattr(m, "quant_method", None), "cuda_graph_safe", True)
+        }
+        if unsafe:
+            logger.warning(
+                "CUDA graphs off: %s cannot run inside a CUDA graph", ", ".join(sorted(unsafe))
+            )
+        return not unsafe
 
     def _wants_mixed_graphs(self) -> bool:
         """Whether mixed steps should run as whole CUDA graphs (given a backend that has them)."""

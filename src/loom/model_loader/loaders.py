@@ -43,9 +43,10 @@ def _checkpoint_tensors(model_config: ModelConfig, weights):
 
 
 class SafetensorsLoader(ModelLoader):
-    """An HF directory: config.json, *.safetensors and tokenizer files. FP8 weights (an FP8
-    checkpoint, or ``--quantization fp8``) of Loom's own implementations load one decoder
-    layer at a time, as ``--load-format layered`` does."""
+    """An HF directory: config.json, *.safetensors and tokenizer files. Quantized weights
+    (``fp8``, ``modelopt``, ``bitsandbytes``: a quantized checkpoint, or quantizing at load)
+    of Loom's own implementations load one decoder layer at a time, as ``--load-format
+    layered`` does."""
 
     @classmethod
     def can_load(cls, path: str) -> bool:
@@ -78,18 +79,18 @@ class SafetensorsLoader(ModelLoader):
         model.load_weights(_checkpoint_tensors(model_config, weights))
         return process_weights_after_loading(model)
 
-    # FP8 weights, from an FP8 checkpoint or quantized at load: built whole, the model holds
-    # every layer's dense weights before any is quantized (Llama-3-8B shape on the H200: a peak
-    # of 1.78x the FP8 weights, either way), where one layer at a time holds the FP8 weights
-    # and one dense layer (1.00x from a ModelOpt export, 1.04x quantizing a bf16 checkpoint, in
-    # the same time or less).
-    LAYERED_QUANTIZATION = ("fp8", "modelopt")
+    # Quantized weights, from a quantized checkpoint or quantized at load: built whole, the
+    # model holds every layer's dense weights before any is quantized (Llama-3-8B shape on the
+    # H200: a peak of 1.78x the FP8 weights either way, 2.68x the NF4 ones), where one layer at
+    # a time holds the quantized weights and one dense layer (1.00x from a ModelOpt export,
+    # 1.04x quantizing to FP8, 1.08x to NF4, in the same time or less).
+    LAYERED_QUANTIZATION = ("fp8", "modelopt", "bitsandbytes")
 
     def _layer_by_layer(self, model_config: ModelConfig) -> bool:
-        from loom.model_loader.layered import FALLBACK_MODULE
+        from loom.model_loader.layered import FALLBACK_MODULE, LayeredLoader
 
         quant = model_config.quant_config
-        if type(self) is not SafetensorsLoader or quant is None:
+        if isinstance(self, LayeredLoader) or quant is None:
             return False
         if quant.name not in self.LAYERED_QUANTIZATION:
             return False

@@ -42,6 +42,10 @@ def column_cut(block: int, block_columns: int, what: str):
 class LinearMethod(ABC):
     """One linear layer's weight storage and matmul."""
 
+    # Whether :meth:`apply` can be captured in a CUDA graph (no host syncs, no shapes that
+    # depend on the data): a model with any layer that cannot runs eagerly on CUDA.
+    cuda_graph_safe: bool = True
+
     @abstractmethod
     def create_weights(self, layer: nn.Module) -> None:
         """Replace ``layer.weight`` (dense, ``[out, in]``, never written) with this method's

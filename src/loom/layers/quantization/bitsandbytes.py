@@ -85,6 +85,9 @@ class BitsAndBytesLinearMethod(LinearMethod):
     def __init__(self, spec: BnbSpec, prequantized: bool = False) -> None:
         self.spec = spec
         self.prequantized = prequantized
+        # bitsandbytes' int8 matmul invalidates a CUDA graph capture (H200, bitsandbytes
+        # 0.50.2: tests/gpu/test_cuda_bitsandbytes.py); its 4-bit kernels capture
+        self.cuda_graph_safe = spec.bits != 8
 
     def create_weights(self, layer: nn.Module) -> None:
         out_features, in_features = layer.weight.shape
