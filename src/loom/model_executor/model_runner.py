@@ -19,6 +19,7 @@ from loom.distributed import agree_on_error, get_tp_rank, get_tp_size, head_shar
 from loom.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from loom.layers.attention.base import AttentionContext, attention_features
 from loom.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from loom.model_executor.graph_setup import GraphSetup
 from loom.model_executor.weights import log_load, model_config_for, swap_weights
 from loom.model_loader.base import DeviceConfig
 
@@ -56,7 +57,7 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-class ModelRunner:
+class ModelRunner(GraphSetup):
     def __init__(self, server_args: ServerArgs, loader=None) -> None:
         args = server_args
         self.args = args
@@ -120,105 +121,9 @@ class ModelRunner:
         """Take the request-to-token table (the cache manager's; the attention kernels read
         it) and build what reads it: the attention backends and, on CUDA, the decode graphs.
         The runner forwards only once bound."""
-        args = self.args
         self.req_to_token_pool = req_to_token_pool
         self._init_attention_backend()
-        if (
-            self.device.type == "cuda"
-            and not args.disable_cuda_graph
-            and self.attn_backend.supports_cuda_graph
-            and self._graph_safe_layers()
-        ):
-            # Eager decode of a large model costs ~10 ms of host time per step (hundreds of
-            # launches), which large batches cannot hide: capture up to the running limit.
-            max_bs = args.cuda_graph_max_bs or self.defaults.cuda_graph_max_bs
-            self.capture_cuda_graphs(min(max_bs, self.max_running_requests))
-            if not args.disable_piecewise_cuda_graph and type(self.model).splits_forward():
-                self.capture_piecewise_graphs(args.piecewise_cuda_graph_max_tokens)
-            if self._wants_mixed_graphs() and self.attn_backend.supports_mixed_graph:
-                self.capture_mixed_graphs(min(max_bs, self.max_running_requests))
-
-    def _graph_safe_layers(self) -> bool:
-        """Whether every layer's quantization method can run inside a CUDA graph; if not, the
-        model runs eagerly, as with --disable-cuda-graph, and the log says which method."""
-        unsafe = {
-            type(m.quant_method).__name__
-            for m in self.model.modules()
-            if not getattr(getattr(m, "quant_method", None), "cuda_graph_safe", True)
-        }
-        if unsafe:
-            logger.warning(
-                "CUDA graphs off: %s cannot run inside a CUDA graph", ", ".join(sorted(unsafe))
-            )
-        return not unsafe
-
-    def _wants_mixed_graphs(self) -> bool:
-        """Whether mixed steps should run as whole CUDA graphs (given a backend that has them)."""
-        args = self.args
-        return (
-            self.device.type == "cuda"
-            and args.enable_mixed_chunk
-            and not (
-                args.disable_cuda_graph
-                or args.disable_piecewise_cuda_graph
-                or args.disable_mixed_cuda_graph
-            )
-            and type(self.model).splits_forward()
-        )
-
-    def capture_mixed_graphs(self, max_rows: int, capture: bool = True) -> None:
-        """Capture the mixed-step graphs: prompt tokens up to the prefill chunk (at most 512)
-        beside up to ``max_rows`` decoding rows (``capture`` False: the same layout run
-        eagerly, for tests without CUDA)."""
-        from loom.model_executor.mixed_graph_runner import MixedGraphRunner
-
-        chunk = self.args.chunked_prefill_size or self.defaults.chunked_prefill_size
-        if chunk < 0:
-            chunk = 512
-        self.mixed_graph_runner = MixedGraphRunner(
-            self.model.forward_hidden,
-            self._attach,
-            self.attn_backend,
-            self.device,
-            min(chunk, 512),
-            max_rows,
-            capture=capture,
-        )
-
-    def capture_piecewise_graphs(self, max_tokens: int) -> None:
-        """Capture the extend graphs of every token-count bucket up to ``max_tokens``."""
-        from loom.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
-
-        self.piecewise_graph_runner = PiecewiseGraphRunner(
-            self.model.forward_hidden,
-            self._attach,
-            self.attn_backend,
-            self.device,
-            self.model_config.context_len,
-            max_tokens,
-        )
-
-    def capture_cuda_graphs(self, max_bs: int) -> None:
-        """Capture the decode graphs of every batch-size bucket up to ``max_bs``."""
-        from loom.model_executor.cuda_graph_runner import CudaGraphRunner
-
-        self.cuda_graph_runner = CudaGraphRunner(
-            self._run,
-            self._attach,
-            self.attn_backend,
-            self.device,
-            self.model_config.context_len,
-            max_bs,
-            lora=self._graph_lora(),
-        )
-
-    def _graph_lora(self):
-        """The LoRA manager when its backend runs inside the decode graphs, else None."""
-        m = self.lora_manager
-        if m is None:
-            return None
-        probe = torch.full((1,), -1, dtype=torch.int32, device=self.device)
-        return m if m.backend.graph_batch(probe) is not None else None
+        self.capture_graphs()
 
     # ---- memory ---------------------------------------------------------------------------
 
