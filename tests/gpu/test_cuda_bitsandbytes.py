@@ -9,10 +9,9 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
-import loom  # noqa: E402
 from loom.config import ServerArgs  # noqa: E402
 from tests.conftest import save_tiny_llama  # noqa: E402
-from tests.gpu.test_cuda_engine import _assert_greedy_equal_up_to_near_ties  # noqa: E402
+from tests.gpu.test_cuda_quantization import graphs_match_eager  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -79,22 +78,4 @@ def test_transformers_cuda_checkpoint_matches_transformers_on_cuda(case, tiny_de
 def test_nf4_at_load_runs_inside_the_graphs(tiny_dense):
     """A dense checkpoint quantized to NF4 at load, bf16 on the GPU: greedy tokens with CUDA
     graphs equal the eager run's (up to near-ties), and the pool balances."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 90)]
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    lp = {"return_logprob": True, "top_logprobs_num": 2}
-    kw = dict(
-        model=tiny_dense,
-        device="cuda",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_total_tokens=8192,
-        quantization="bitsandbytes",
-    )
-    with loom.Engine(disable_cuda_graph=True, **kw) as e:
-        want = e.generate(input_ids=prompts, sampling_params=params, **lp)
-    with loom.Engine(**kw) as e:
-        assert e.runner.cuda_graph_runner is not None
-        got = e.generate(input_ids=prompts, sampling_params=params, **lp)
-        e.scheduler.check_kv_balance()
-    _assert_greedy_equal_up_to_near_ties(got, want, tol=0.05)
+    graphs_match_eager(tiny_dense, "bitsandbytes")

@@ -28,30 +28,41 @@ def test_fp8_layers_match_the_dense_ones_in_bf16(tiny_dir):
     )
 
 
-def test_fp8_runs_its_fp8_matmul_inside_the_graphs(tiny_dir):
-    """bf16 with --quantization fp8: the layers take the FP8 matmul (Hopper), and greedy tokens
-    with CUDA graphs equal the eager run's (up to near-ties); the pool balances."""
+def graphs_match_eager(model: str, quantization: str, check=None) -> None:
+    """bf16 on the GPU with ``quantization``: greedy tokens with CUDA graphs equal the eager
+    run's (up to near-ties) and the pool balances; ``check(engine)`` runs on the graphed one."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     lp = {"return_logprob": True, "top_logprobs_num": 2}
     kw = dict(
-        model=tiny_dir,
+        model=model,
         device="cuda",
         dtype="bfloat16",
         skip_tokenizer_init=True,
         max_total_tokens=8192,
-        quantization="fp8",
+        quantization=quantization,
     )
     with loom.Engine(disable_cuda_graph=True, **kw) as e:
         want = e.generate(input_ids=prompts, sampling_params=params, **lp)
     with loom.Engine(**kw) as e:
-        layers = [m for m in e.runner.model.modules() if getattr(m, "quant_method", None)]
-        assert layers and all(m.fp8_matmul for m in layers)
         assert e.runner.cuda_graph_runner is not None
+        if check is not None:
+            check(e)
         got = e.generate(input_ids=prompts, sampling_params=params, **lp)
         e.scheduler.check_kv_balance()
     _assert_greedy_equal_up_to_near_ties(got, want, tol=0.05)
+
+
+def test_fp8_runs_its_fp8_matmul_inside_the_graphs(tiny_dir):
+    """bf16 with --quantization fp8: the layers take the FP8 matmul (Hopper), and greedy tokens
+    with CUDA graphs equal the eager run's (up to near-ties); the pool balances."""
+
+    def fp8_matmuls(e):
+        layers = [m for m in e.runner.model.modules() if getattr(m, "quant_method", None)]
+        assert layers and all(m.fp8_matmul for m in layers)
+
+    graphs_match_eager(tiny_dir, "fp8", fp8_matmuls)
 
 
 # Each projection in a block format the CUDA path keeps (the K-quants, which gguf-py cannot
