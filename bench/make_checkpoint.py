@@ -2,7 +2,8 @@
 benchmarking loads on a model's real shape (Llama-3-8B) without its weights.
 
     python bench/make_checkpoint.py configs/llama-3-8b.json /tmp/ck8b \
-        --formats safetensors,pt,modelopt [--dtype bfloat16] [--device cuda] [--shard-gb 4]
+        --formats safetensors,pt,modelopt,gguf [--dtype bfloat16] [--device cuda] [--shard-gb 4]
+        [--gguf-type Q8_0] [--gguf-embed-type Q8_0]
 
 Each format is a directory of OUTDIR with the config as config.json:
   safetensors  model-0000k-of-0000n.safetensors + model.safetensors.index.json
@@ -11,13 +12,30 @@ Each format is a directory of OUTDIR with the config as config.json:
   modelopt     a ModelOpt FP8 export: E4M3 projections with per-tensor fp32 ``weight_scale``
                and ``input_scale``, ``k_scale`` / ``v_scale`` on k_proj / v_proj,
                hf_quant_config.json; embeddings, norms and lm_head (excluded) in --dtype
-GGUF is not written: src/loom/testing/gguf_writer.py converts a whole HF nn.Module and needs a
-vocabulary of vocab_size tokens, and gguf-py's writer holds every tensor until it writes.
+  gguf         model.gguf, GGUF architecture "llama" as llama.cpp's converter writes it (gguf-py's
+               tensor names, q/k rows permuted into llama.cpp's rotary order, which the loader
+               undoes; Llama 3.1's rope scaling as rope_freqs): the projections in --gguf-type
+               (Q8_0; Q4_0, Q4_1, Q5_0, Q5_1, F16: what gguf-py's numpy quantizer writes),
+               token_embd / output in --gguf-embed-type (Q8_0, as `convert_hf_to_gguf.py --outtype
+               q8_0` writes them; F16), norms F32. The metadata is what
+               loom.testing.gguf_writer writes for llama, from the config; the tokenizer is that
+               module's tiny SentencePiece vocabulary (about 300 tokens, ids 0-2 unk/bos/eos,
+               which become the config's bos / eos): Loom's GGUF loader takes vocab_size from
+               token_embd's rows and `loom bench load` builds no tokenizer, so the file loads
+               with the config's vocab_size, but cannot be served as it is. Needs the gguf
+               package (imported for this format only).
+               Memory: gguf-py's GGUFWriter.add_tensor holds every tensor until it writes; this
+               declares each tensor's shape and type up front (add_tensor_info: they follow from
+               the config) and streams each tensor's blocks (write_tensor_data) once quantized,
+               so the host holds one tensor at a time: the largest in fp32 (the 8B shape's
+               embedding, 2.1 GB) and its quantized copy. Quantizing runs gguf-py's
+               quants.quantize over row chunks on a thread pool (numpy releases the GIL).
 
 Weights are normal(0, 0.02) and norms 1, drawn tensor by tensor on --device from one seed, so
-every format holds the same values. A format's host memory is its current shard (up to
---shard-gb). A format is written into OUTDIR/.FORMAT.partial and renamed to OUTDIR/FORMAT once
-complete, so an existing OUTDIR/FORMAT is always a whole checkpoint.
+every format holds the same values (GGUF's quantized). A format's host memory is its current
+shard (up to --shard-gb; GGUF: one tensor). A format is written into OUTDIR/.FORMAT.partial and
+renamed to OUTDIR/FORMAT once complete, so an existing OUTDIR/FORMAT is always a whole
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,13 +45,19 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from loom.layers.quantization.fp8 import FP8, FP8_MAX
 
-FORMATS = ("safetensors", "pt", "modelopt")
+FORMATS = ("safetensors", "pt", "modelopt", "gguf")
+# GGML types gguf-py's numpy quantizer writes, for the projections and for token_embd / output
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16")
+GGUF_EMBED_TYPES = ("Q8_0", "F16")
 ST_NAMES = ("model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json")
 NAMES = {  # format -> (shard file name, index file name)
     "safetensors": ST_NAMES,
@@ -144,6 +168,138 @@ class Writer:
         print(f"{self.final}: {gb:.2f} GB in {n} files, {self.seconds:.1f} s", flush=True)
 
 
+class GGUFFile:
+    """``OUTDIR/gguf/model.gguf``, streamed: every tensor's info (name, shape, GGML type) is
+    declared from the config before the header is written, then each tensor's data is written
+    as it is added, in :func:`llama_tensors`' order."""
+
+    def __init__(self, final: str, config: dict, qtype: str, embed_type: str) -> None:
+        import gguf
+
+        from loom.testing.gguf_writer import (
+            _llama3_rope_divisors,
+            _write_metadata,
+            _write_vocab,
+            spm_vocab,
+        )
+
+        self.gguf, self.final = gguf, final
+        self.dir = os.path.join(os.path.dirname(final), ".gguf.partial")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        with open(os.path.join(self.dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        self.path = os.path.join(self.dir, "model.gguf")
+        self.cfg, self.qtype, self.embed_type = config, qtype, embed_type
+        hf = hf_namespace(config)
+        table = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+        w = self.writer = gguf.GGUFWriter(self.path, "llama")
+        w.add_name("random-llama")
+        w.add_file_type(getattr(gguf.LlamaFileType, "MOSTLY_" + qtype))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _write_metadata(w, "llama", hf)
+        _write_vocab(w, spm_vocab())
+        self.pending: list[tuple[str, gguf.GGMLQuantizationType]] = []  # (HF name, type)
+        rope_freqs = None
+        if hf.rope_parameters.get("rope_type") == "llama3":
+            rope_freqs = _llama3_rope_divisors(hf)
+            self._declare("rope_freqs.weight", rope_freqs.shape, gguf.GGMLQuantizationType.F32)
+        for name, shape in llama_tensors(config):
+            gname = table.get_name(name, try_suffixes=(".weight",))
+            assert gname is not None, f"gguf-py has no llama name for {name}"
+            if len(shape) == 1:
+                kind = "F32"
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                kind = embed_type
+            else:
+                kind = qtype
+            qkind = gguf.GGMLQuantizationType[kind]
+            self._declare(gname, shape, qkind)
+            self.pending.append((name, qkind))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        if rope_freqs is not None:
+            w.write_tensor_data(rope_freqs)
+        self.pending.reverse()  # popped from the end
+        self.threads = os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.threads)
+        self.total, self.seconds, self.quantizing = 0, 0.0, 0.0
+
+    def _declare(self, name: str, shape: tuple[int, ...], kind) -> None:
+        block, size = self.gguf.GGML_QUANT_SIZES[kind]
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        assert shape[-1] % block == 0, f"{name}: {shape[-1]} columns, {kind.name} blocks {block}"
+        nbytes = rows * (shape[-1] // block) * size
+        self.writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
+
+    def _quantize(self, x: np.ndarray, kind) -> np.ndarray:
+        """gguf-py's quantizer over row chunks on the pool (rows are independent)."""
+        if x.ndim == 1 or kind == self.gguf.GGMLQuantizationType.F32:
+            return x
+        chunks = np.array_split(x, min(x.shape[0], 4 * self.threads))
+        quantize = self.gguf.quants.quantize
+        return np.concatenate(list(self.pool.map(lambda c: quantize(c, kind), chunks)))
+
+    def add(self, name: str, w: torch.Tensor) -> None:
+        start = time.perf_counter()
+        expected, kind = self.pending.pop()
+        assert name == expected, f"{name} added where {expected} was declared"
+        x = w.float().cpu().numpy()
+        heads = {
+            "q_proj": self.cfg["num_attention_heads"],
+            "k_proj": self.cfg.get("num_key_value_heads") or self.cfg["num_attention_heads"],
+        }
+        proj = name.split(".")[-2]
+        if proj in heads:  # the converter's rotary permutation (the loader undoes it)
+            h = heads[proj]
+            x = x.reshape(h, 2, x.shape[0] // h // 2, x.shape[1]).swapaxes(1, 2).reshape(x.shape)
+        t0 = time.perf_counter()
+        q = self._quantize(x, kind)
+        self.quantizing += time.perf_counter() - t0
+        del x
+        self.writer.write_tensor_data(q)
+        self.total += q.nbytes
+        self.seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        start = time.perf_counter()
+        assert not self.pending, f"{len(self.pending)} declared tensors never added"
+        self.writer.close()
+        self.pool.shutdown()
+        size = os.path.getsize(self.path)
+        shutil.rmtree(self.final, ignore_errors=True)
+        os.replace(self.dir, self.final)
+        self.seconds += time.perf_counter() - start
+        print(
+            f"{self.final}: {size / 1e9:.2f} GB in model.gguf ({self.qtype} projections, "
+            f"{self.embed_type} embeddings), {self.seconds:.1f} s ({self.quantizing:.1f} s "
+            f"quantizing, {self.threads} threads; "
+            f"{self.total / 1e6 / max(self.seconds, 1e-9):.0f} MB/s)",
+            flush=True,
+        )
+
+
+def hf_namespace(cfg: dict) -> SimpleNamespace:
+    """The config JSON as the attributes loom.testing.gguf_writer reads from an HF config
+    (``rope_parameters`` built from ``rope_theta`` / ``rope_scaling`` as transformers 5 does,
+    whatever transformers is installed)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    heads = cfg["num_attention_heads"]
+    return SimpleNamespace(
+        **{
+            **cfg,
+            "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            "rope_parameters": rope,
+        }
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="an HF Llama config .json (configs/llama-3-8b.json)")
@@ -153,17 +309,29 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shard-gb", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gguf-type", default="Q8_0", choices=GGUF_TYPES, help="gguf projections")
+    p.add_argument(
+        "--gguf-embed-type",
+        default="Q8_0",
+        choices=GGUF_EMBED_TYPES,
+        help="gguf token_embd, output",
+    )
     ns = p.parse_args()
     formats = ns.formats.split(",")
     if bad := [f for f in formats if f not in FORMATS]:
-        p.error(f"unknown formats {bad} (written: {', '.join(FORMATS)}; gguf is not: see --help)")
+        p.error(f"unknown formats {bad} (written: {', '.join(FORMATS)})")
     with open(ns.config) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = ns.dtype
     dtype = getattr(torch, ns.dtype)
     os.makedirs(ns.outdir, exist_ok=True)
     limit = int(ns.shard_gb * 1e9)
-    writers = [Writer(fmt, os.path.join(ns.outdir, fmt), limit, cfg) for fmt in formats]
+    writers = [
+        GGUFFile(os.path.join(ns.outdir, fmt), cfg, ns.gguf_type, ns.gguf_embed_type)
+        if fmt == "gguf"
+        else Writer(fmt, os.path.join(ns.outdir, fmt), limit, cfg)
+        for fmt in formats
+    ]
     gen = torch.Generator(device=ns.device).manual_seed(ns.seed)
     start, draw = time.perf_counter(), 0.0
     for name, shape in llama_tensors(cfg):

@@ -13,8 +13,8 @@
 #          load time and peak memory of each weight loader (`loom bench load`, bf16, one load a
 #          process) on random weights of CONFIG's shape (default the Llama-3-8B shape), written
 #          by bench/make_checkpoint.py into /tmp/ck8b (/tmp/ck-NAME for another CONFIG) on the
-#          GPU, or on the CPU where there is none. GROUPS (comma-separated, default all, in this
-#          order) and their loads:
+#          GPU, or on the CPU where there is none. GROUPS (comma-separated, default
+#          safetensors,remote,pt,modelopt, run in the order given) and their loads:
 #            safetensors  auto, layered, auto + --quantization fp8, layered + fp8
 #            bnb          bitsandbytes (NF4 quantized at load), layered + --quantization
 #                         bitsandbytes (needs the bitsandbytes package)
@@ -23,12 +23,21 @@
 #                         fetch_s is the copy, load_s the load from the copy
 #            pt           pytorch_model-*.bin shards
 #            modelopt     a ModelOpt FP8 export (detected by itself), with auto and layered
+#            gguf         model.gguf (needs the gguf package: .whl3), projections in $GGUF_TYPE
+#                         (default Q8_0 on CUDA, Q4_0 on the CPU), token_embd / output Q8_0,
+#                         tiny tokenizer; gguf-dense: --load-formats gguf (every tensor
+#                         dequantised to fp32 on the host by gguf-py, loaded as bf16);
+#                         gguf-blocks: + --quantization gguf (on CUDA the projections stay in
+#                         their GGML blocks on the GPU for the Triton kernels, every block type;
+#                         on the CPU only Q4_0 / Q4_1 stay packed, as int4, others load dense).
+#                         LOOM_GGUF_CACHE=0: no config / weight cache read or written. The row
+#                         has gguf_type. A reused $ck/gguf keeps the type it was written with.
 #          Each row also has the group's tag and host_peak_bytes (the largest resident set of the
 #          load's processes, interpreter and CUDA runtime included). The loads read the
 #          checkpoint from the page cache (just written). A format's directory (16 GB in bf16
 #          for the 8B shape, modelopt 8.5 GB) is deleted once no later group of the call reads
 #          it, the remote cache after its load; an existing directory is reused, so a call cut
-#          short is resumed by the next while the machine is warm. GGUF is not measured here.
+#          short is resumed by the next while the machine is warm (gguf 8.5 GB at Q8_0).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
 
 load_one() {  # TAG, then `loom bench load` flags (one format): its row, tagged, with the host's
@@ -84,7 +93,7 @@ loaders)
   IFS=, read -ra groups <<<"${4:-safetensors,remote,pt,modelopt}"
   for g in "${groups[@]}"; do
     case $g in
-    safetensors | bnb | remote | pt | modelopt) ;;
+    safetensors | bnb | remote | pt | modelopt | gguf) ;;
     *) echo "unknown loaders group: $g" >&2 && exit 2 ;;
     esac
   done
@@ -93,9 +102,10 @@ loaders)
   dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
   echo "== loaders: $cfg on $dev, checkpoints in $ck, groups ${groups[*]}" | tee -a "$log"
   lflags=(--device "$dev" --dtype bfloat16)
+  gguf_type=${GGUF_TYPE:-$([ "$dev" = cuda ] && echo Q8_0 || echo Q4_0)}
   checkpoint() {  # FORMAT: $ck/FORMAT, written unless there
     [ -d "$ck/$1" ] || $py bench/make_checkpoint.py "$cfg" "$ck" --formats "$1" \
-      --dtype bfloat16 --device "$dev" 2>&1 | tail -3 | tee -a "$log"
+      --dtype bfloat16 --device "$dev" --gguf-type "$gguf_type" 2>&1 | tail -3 | tee -a "$log"
   }
   format_of() { case $1 in remote | bnb) echo safetensors ;; *) echo "$1" ;; esac; }
   for i in "${!groups[@]}"; do
@@ -143,6 +153,13 @@ print(f'{time.perf_counter() - start:.2f}')" \
     modelopt)
       load_one modelopt-auto --model "$ck/modelopt" --load-formats auto "${lflags[@]}"
       load_one modelopt-layered --model "$ck/modelopt" --load-formats layered "${lflags[@]}"
+      ;;
+    gguf)
+      extra="{\"gguf_type\": \"$gguf_type\"}"
+      LOOM_GGUF_CACHE=0 row_extra=$extra load_one gguf-dense --model "$ck/gguf/model.gguf" \
+        --load-formats gguf "${lflags[@]}"
+      LOOM_GGUF_CACHE=0 row_extra=$extra load_one gguf-blocks --model "$ck/gguf/model.gguf" \
+        --load-formats gguf --quantization gguf "${lflags[@]}"
       ;;
     esac
     later=$(for h in "${groups[@]:$((i + 1))}"; do format_of "$h"; done)
