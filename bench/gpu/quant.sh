@@ -9,7 +9,7 @@
 #          1000-request random-length workload with fp8 weights + the fp8 KV cache against bf16
 #   gemv   the fp8 kernels' GPU tests, then bench/fp8_gemv.py at 1, 4, 8 and 16 rows
 #   small  decode of the Llama-3-8B shape at batch 1 and 8, bf16 against --quantization fp8
-#   loaders [CONFIG] [GROUPS]
+#   loaders [CONFIG] [GROUPS] [GGUF_TYPE]
 #          load time and peak memory of each weight loader (`loom bench load`, bf16, one load a
 #          process) on random weights of CONFIG's shape (default the Llama-3-8B shape), written
 #          by bench/make_checkpoint.py into /tmp/ck8b (/tmp/ck-NAME for another CONFIG) on the
@@ -23,7 +23,7 @@
 #                         fetch_s is the copy, load_s the load from the copy
 #            pt           pytorch_model-*.bin shards
 #            modelopt     a ModelOpt FP8 export (detected by itself), with auto and layered
-#            gguf         model.gguf (needs the gguf package: .whl3), projections in $GGUF_TYPE
+#            gguf         model.gguf (needs the gguf package: .whl3), projections in GGUF_TYPE
 #                         (default Q8_0 on CUDA, Q4_0 on the CPU), token_embd / output Q8_0,
 #                         tiny tokenizer; gguf-dense: --load-formats gguf (every tensor
 #                         dequantised to fp32 on the host by gguf-py, loaded as bf16);
@@ -102,7 +102,7 @@ loaders)
   dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
   echo "== loaders: $cfg on $dev, checkpoints in $ck, groups ${groups[*]}" | tee -a "$log"
   lflags=(--device "$dev" --dtype bfloat16)
-  gguf_type=${GGUF_TYPE:-$([ "$dev" = cuda ] && echo Q8_0 || echo Q4_0)}
+  gguf_type=${5:-$([ "$dev" = cuda ] && echo Q8_0 || echo Q4_0)}
   checkpoint() {  # FORMAT: $ck/FORMAT, written unless there
     [ -d "$ck/$1" ] || $py bench/make_checkpoint.py "$cfg" "$ck" --formats "$1" \
       --dtype bfloat16 --device "$dev" --gguf-type "$gguf_type" 2>&1 | tail -3 | tee -a "$log"
