@@ -17,7 +17,7 @@ def path(request, monkeypatch):
     """Both ways of detokenising: the Rust DecodeStream, and the decoded window (what a
     tokenizer without a DecodeStream backend takes)."""
     if request.param == "window":
-        monkeypatch.setattr(tokenizer_manager, "_stream_backend", lambda tokenizer: None)
+        monkeypatch.setattr(tokenizer_manager, "_rust_backend", lambda tokenizer: None)
     return request.param
 
 

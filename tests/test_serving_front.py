@@ -213,6 +213,7 @@ def test_consumer_merges_pending_outputs_up_to_the_finishing_one():
 def test_a_steps_outputs_cross_the_process_boundary_unchanged():
     """A step's outputs pickle as rows of fields (the scheduler's wire form) and come back as
     equal ``ReqOutput``s: tokens, finish reasons, errors, logprob extras, stats and time."""
+    import dataclasses
     import pickle
 
     from loom.scheduler.messages import ReqOutput, SchedulerBatchOut
@@ -228,3 +229,8 @@ def test_a_steps_outputs_cross_the_process_boundary_unchanged():
     assert back == batch
     assert all(type(o) is ReqOutput for o in back.outputs)
     assert back.outputs[0].extra is not back.outputs[1].extra  # each output its own dict
+    # every field crosses, whatever its value (a field the wire form left out would not)
+    for f in dataclasses.fields(ReqOutput):
+        out = ReqOutput("e", [1], 1, 1)
+        setattr(out, f.name, ("sentinel", f.name))
+        assert pickle.loads(pickle.dumps(SchedulerBatchOut([out]))).outputs == [out], f.name

@@ -109,7 +109,8 @@ class SchedulerBatchOut:
     def __reduce__(self):
         # Pickled as one tuple per output: pickle's default form of a dataclass instance
         # (its class, then a state dict) costs 5x as much on each end, 1 us an output, and
-        # a step carries one output per running request (measured on the CPU machine).
+        # a step carries one output per running request (measured on the CPU machine). The
+        # row is ReqOutput's fields in order (attribute reads: 2x faster than attrgetter).
         rows = [
             (
                 o.rid,
