@@ -17,12 +17,15 @@ class GraphSetup:
         extend graphs and the mixed-step graphs, unless disabled or a layer cannot be
         captured."""
         args = self.args
-        if (
-            self.device.type == "cuda"
-            and not args.disable_cuda_graph
-            and self.attn_backend.supports_cuda_graph
-            and self._graph_safe_layers()
-        ):
+        if self.device.type != "cuda" or args.disable_cuda_graph:
+            return
+        if self._uncapturable_layers():
+            logger.warning(
+                "CUDA graphs off: %s cannot run inside a CUDA graph",
+                ", ".join(sorted(self._uncapturable_layers())),
+            )
+            return
+        if self.attn_backend.supports_cuda_graph:
             # Eager decode of a large model costs ~10 ms of host time per step (hundreds of
             # launches), which large batches cannot hide: capture up to the running limit.
             max_bs = args.cuda_graph_max_bs or self.defaults.cuda_graph_max_bs
@@ -32,19 +35,15 @@ class GraphSetup:
             if self._wants_mixed_graphs() and self.attn_backend.supports_mixed_graph:
                 self.capture_mixed_graphs(min(max_bs, self.max_running_requests))
 
-    def _graph_safe_layers(self) -> bool:
-        """Whether every layer's quantization method can run inside a CUDA graph; if not, the
-        model runs eagerly, as with --disable-cuda-graph, and the log says which method."""
-        unsafe = {
+    def _uncapturable_layers(self) -> set[str]:
+        """The quantization methods of the model's layers that cannot run inside a CUDA graph
+        (``LinearMethod.cuda_graph_safe``); with any, the model runs eagerly, as with
+        --disable-cuda-graph."""
+        return {
             type(m.quant_method).__name__
             for m in self.model.modules()
             if not getattr(getattr(m, "quant_method", None), "cuda_graph_safe", True)
         }
-        if unsafe:
-            logger.warning(
-                "CUDA graphs off: %s cannot run inside a CUDA graph", ", ".join(sorted(unsafe))
-            )
-        return not unsafe
 
     def _wants_mixed_graphs(self) -> bool:
         """Whether mixed steps should run as whole CUDA graphs (given a backend that has them)."""
@@ -58,6 +57,7 @@ class GraphSetup:
                 or args.disable_mixed_cuda_graph
             )
             and type(self.model).splits_forward()
+            and not self._uncapturable_layers()
         )
 
     def capture_mixed_graphs(self, max_rows: int, capture: bool = True) -> None:
