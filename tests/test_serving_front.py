@@ -234,3 +234,39 @@ def test_a_steps_outputs_cross_the_process_boundary_unchanged():
         out = ReqOutput("e", [1], 1, 1)
         setattr(out, f.name, ("sentinel", f.name))
         assert pickle.loads(pickle.dumps(SchedulerBatchOut([out]))).outputs == [out], f.name
+
+
+def test_ending_every_request_delivers_the_error_before_the_schedulers_abort():
+    """Shutdown's ``end_all`` runs on a timer thread and queues each request's error on its
+    event loop; the scheduler's reply to the abort it sends (a plain abort) can be drained on
+    that loop before the error's callback runs. The client must still get the error."""
+    import asyncio
+
+    from loom.engine.outputs import ReqState
+    from loom.engine.router import OutputRouter
+    from loom.sampling.sampling_params import SamplingParams
+    from loom.scheduler.messages import ReqOutput, SchedulerBatchOut
+
+    released: list[str] = []
+
+    async def main() -> list[ReqOutput]:
+        loop = asyncio.get_running_loop()
+        router = OutputRouter()
+        router.lora_release = released.append
+        st = ReqState("r", 3, SamplingParams(), asyncio.Queue(), loop=loop, lora_id="ad")
+        router.register(st)
+        router.on_batch(SchedulerBatchOut([ReqOutput("r", [5], 3, 1)]))
+
+        def scheduler_replies(rid: str) -> None:  # drained on the loop at once
+            out = ReqOutput(rid, [], 3, 1, finished_reason={"type": "abort"})
+            router.on_batch(SchedulerBatchOut([out]))
+
+        assert router.end_all("the server is shutting down", 503, scheduler_replies) == 1
+        await asyncio.sleep(0)
+        return [st.outputs.get_nowait() for _ in range(st.outputs.qsize())]
+
+    got = asyncio.run(main())
+    assert [o.new_token_ids for o in got] == [[5], []], got
+    assert got[-1].error == "the server is shutting down"
+    assert got[-1].finished_reason["status_code"] == 503
+    assert released == ["ad"]  # the adapter's reference, once

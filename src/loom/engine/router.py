@@ -126,8 +126,17 @@ class OutputRouter:
 
     def end_all(self, message: str, status: int, abort: Callable[[str], None]) -> int:
         """End every request in flight with an error (``status``: the HTTP status its client
-        gets) and ``abort`` it in the scheduler; returns how many there were."""
-        states = self.all()
+        gets) and ``abort`` it in the scheduler; returns how many there were.
+
+        The requests are forgotten first, under the lock, so the scheduler's reply to the
+        abort (a plain abort, no error) is dropped: the receiver may drain that reply on the
+        requests' loop inside the callback that is running while this thread queues the
+        error, which would deliver the reply first."""
+        with self.lock:
+            states = list(self.states.values())
+            self.states.clear()
+        now = time.monotonic()
+        ended = []
         for st in states:
             out = ReqOutput(
                 st.rid,
@@ -137,11 +146,17 @@ class OutputRouter:
                 finished_reason={"type": "abort", "message": message, "status_code": status},
                 error=message,
             )
+            ended.append((st, out))
+            st.finish_time = now
             if st.shared:  # a batch's queue takes lists
                 st.outputs.put([out])
             else:
                 put(st, out)
+            if st.lora_id is not None and self.lora_release is not None:
+                self.lora_release(st.lora_id)
             abort(st.rid)
+        if self.metrics is not None:
+            self.metrics.observe_outputs(ended, now)
         return len(states)
 
 
