@@ -424,6 +424,21 @@ class KernelArgs:
         ),
     )
 
+    enable_torch_compile: bool = field(
+        default=False,
+        metadata=_arg(
+            "Compile decode steps with torch.compile (Inductor) where they run eagerly: on the "
+            "CPU, or on CUDA with --disable-cuda-graph. Needs a decode attention backend that "
+            "traces whole (torch_native) and no LoRA; compiling takes about a minute per graph "
+            "at start-up (cached on disk for the next start)."
+        ),
+    )
+    torch_compile_max_bs: int = field(
+        default=32,
+        metadata=_arg("Largest decode batch run compiled (larger batches run eagerly)."),
+    )
+
     def __post_init__(self) -> None:
         _positive(self, "cuda_graph_max_bs")
         _positive(self, "piecewise_cuda_graph_max_tokens")
+        _positive(self, "torch_compile_max_bs")

@@ -35,6 +35,28 @@ class GraphSetup:
             if self._wants_mixed_graphs() and self.attn_backend.supports_mixed_graph:
                 self.capture_mixed_graphs(min(max_bs, self.max_running_requests))
 
+    def compile_decode(self) -> None:
+        """With --enable-torch-compile, the decode steps that run eagerly (batches up to
+        --torch-compile-max-bs beyond the CUDA graphs) run through ``CompiledDecode``; refused
+        with a clear error where it cannot apply."""
+        from loom.model_executor.compiled_decode import CompiledDecode
+
+        args = self.args
+        if not args.enable_torch_compile:
+            return
+        if self.lora_manager is not None:
+            raise ValueError("--enable-torch-compile does not combine with --enable-lora")
+        if not self.attn_backend.supports_torch_compile:
+            raise ValueError(
+                "--enable-torch-compile needs a decode attention backend that torch.compile "
+                "traces whole (torch_native); pass --decode-attention-backend torch_native"
+            )
+        max_bs = min(args.torch_compile_max_bs, self.max_running_requests)
+        self.compiled_decode = CompiledDecode(
+            self.model, self.attn_backend.init_forward_metadata, self._attach, max_bs
+        )
+        self.compiled_decode.warm_up(self.device)
+
     def _uncapturable_layers(self) -> set[str]:
         """The quantization methods of the model's layers that cannot run inside a CUDA graph
         (``LinearMethod.cuda_graph_safe``); with any, the model runs eagerly, as with

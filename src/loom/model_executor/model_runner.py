@@ -84,6 +84,7 @@ class ModelRunner(GraphSetup):
         self.cuda_graph_runner = None
         self.piecewise_graph_runner = None
         self.mixed_graph_runner = None
+        self.compiled_decode = None
 
     def check_ranks(self) -> None:
         """Raise naming any tensor-parallel rank of this host that has exited."""
@@ -124,6 +125,7 @@ class ModelRunner(GraphSetup):
         self.req_to_token_pool = req_to_token_pool
         self._init_attention_backend()
         self.capture_graphs()
+        self.compile_decode()
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -405,4 +407,6 @@ class ModelRunner(GraphSetup):
         )
         if lora_slots:
             return self._run_lora(batch, lora_slots)
+        if self.compiled_decode is not None and self.compiled_decode.can_run(bs):
+            return self.compiled_decode.run(batch)
         return self._run(batch)

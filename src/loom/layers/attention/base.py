@@ -76,6 +76,9 @@ class AttentionBackend(ABC):
     plans_on_host: bool = False
     # True when ``mixed_graph_metadata`` serves mixed steps captured whole (mixed_graph_runner)
     supports_mixed_graph: bool = False
+    # True when torch.compile traces its decode forward whole (no graph break, no size read
+    # as a Python int): --enable-torch-compile then compiles decode steps with it
+    supports_torch_compile: bool = False
 
     def __init__(self, ctx: AttentionContext) -> None:
         lacking = sorted(ctx.features - self.features)

@@ -24,6 +24,7 @@ class HybridAttnBackend(AttentionBackend):
         # graphs replay decode only
         self.supports_cuda_graph = decode.supports_cuda_graph
         self.plans_on_host = decode.plans_on_host
+        self.supports_torch_compile = decode.supports_torch_compile
         # a mixed step is an extend batch: the prefill backend runs it whole
         self.supports_mixed_graph = prefill.supports_mixed_graph
 

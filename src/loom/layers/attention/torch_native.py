@@ -67,6 +67,7 @@ def _attend(q, k, v, mask, layer, is_causal: bool = False) -> torch.Tensor:
 
 class TorchNativeAttnBackend(AttentionBackend):
     features = frozenset(ATTENTION_FEATURES)
+    supports_torch_compile = True
 
     @classmethod
     def auto_priority(cls, device: torch.device, phase: str) -> int | None:
@@ -130,12 +131,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         md: _Metadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         pool = batch.kv_pool
-        bs = batch.batch_size
+        # sizes from the tensors, not the batch's ints: a compiled decode step
+        # (--enable-torch-compile) then serves every batch size and length with one graph
+        bs, max_len = md.kv_indices.shape
         k = pool.gather(k_buf, md.kv_indices).float().transpose(1, 2)  # [bs, kvh, len, dim]
         v = pool.gather(v_buf, md.kv_indices).float().transpose(1, 2)
         mask = md.mask
         if layer.sliding_window:
             start = (batch.seq_lens - layer.sliding_window).unsqueeze(1)
-            mask = mask & (md.key_pos >= start).view(bs, 1, 1, md.max_len)
+            mask = mask & (md.key_pos >= start).view(bs, 1, 1, max_len)
         o = _attend(q.float().view(bs, layer.num_heads, 1, layer.head_dim), k, v, mask, layer)
         return o.view(bs, layer.num_heads * layer.head_dim).to(q.dtype)
