@@ -20,31 +20,52 @@ What keeps one compiled graph valid for every step:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
 
-from loom.forward_batch import ForwardBatch, ForwardMode
+from loom.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+
+_instances = 0
+
+
+def _call(forward, input_ids, positions, batch):
+    return forward(input_ids, positions, batch)
 
 
 class CompiledDecode:
     """``forward(input_ids, positions, batch)``: the model's forward, compiled; ``plan(batch)``:
     the attention backend's planning of a batch (run eagerly before each call); ``attach``:
-    the batch with the KV pools and the backend attached."""
+    the batch with the KV pools and the backend attached; ``fixed``: the tensors every step
+    reads whose sizes never change (the KV pool's buffers, the req-to-token table), marked
+    static so that Dynamo neither guards their sizes nor equates them with a batch's."""
 
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
         plan: Callable[[ForwardBatch], None],
         attach: Callable[[ForwardBatch], ForwardBatch],
+        fixed: list[torch.Tensor],
         max_bs: int,
     ) -> None:
+        for t in fixed:
+            torch._dynamo.mark_static(t)
+        # Dynamo keeps compiled graphs on the traced function's code object, and with the
+        # module guards skipped nothing tells two models apart: each instance traces a code
+        # object of its own, so another engine's model in this process never reuses its graphs.
+        global _instances
+        _instances += 1
+        code = _call.__code__.replace(co_name=f"compiled_decode_{_instances}")
+        own = types.FunctionType(code, _call.__globals__, code.co_name)
         self.compiled = torch.compile(
-            forward,
+            functools.partial(own, forward),
             dynamic=True,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
         )
@@ -60,33 +81,19 @@ class CompiledDecode:
         self.plan(batch)
         return self.compiled(batch.input_ids, batch.positions, batch)
 
-    def warm_up(self, device: torch.device) -> None:
-        """Compile the graphs before the first request: batch 1 and, if allowed, batch 2 (which
-        serves every larger one). The dummy rows decode token 0 at position 1 from
-        req-to-token row 0 into slot 0, the padding page (no request exists yet)."""
+    def warm_up(self, decode: Callable[[int, int], None]) -> None:
+        """Compile the graphs before the first request: ``decode(bs, seq_len)`` runs a dummy
+        decode step through the runner, batch 1 and, if allowed, batch 2 (which serves every
+        larger one). The length differs from every size the trace sees (Dynamo would take
+        two equal sizes for one symbol, and guard that they stay equal)."""
         for bs in sorted({1, min(2, self.max_bs)}):
             start = time.perf_counter()
-            with torch.inference_mode():  # as the runner's tensors are (Dynamo guards on it)
-                self._run_dummy(bs, device)
+            decode(bs, WARM_UP_LEN)
             logger.info(
                 "compiled the decode step for batch %s in %.1f s",
                 "1" if bs == 1 else f"2..{self.max_bs}",
                 time.perf_counter() - start,
             )
 
-    def _run_dummy(self, bs: int, device: torch.device) -> None:
-        def full(value: int) -> torch.Tensor:  # a tensor each: Dynamo guards on aliasing
-            return torch.full((bs,), value, dtype=torch.int64, device=device)
 
-        self.run(
-            ForwardBatch(
-                forward_mode=ForwardMode.DECODE,
-                batch_size=bs,
-                input_ids=full(0),
-                positions=full(1),
-                out_cache_loc=full(0),
-                req_pool_indices=full(0),
-                seq_lens=full(2),
-                seq_lens_cpu=[2] * bs,
-            )
-        )
+WARM_UP_LEN = 13

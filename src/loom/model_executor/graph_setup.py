@@ -52,10 +52,18 @@ class GraphSetup:
                 "traces whole (torch_native); pass --decode-attention-backend torch_native"
             )
         max_bs = min(args.torch_compile_max_bs, self.max_running_requests)
+        pool = self.kv_pool
+        fixed = [*pool.k_buffers, *pool.v_buffers, self.req_to_token_pool.req_to_token]
         self.compiled_decode = CompiledDecode(
-            self.model, self.attn_backend.init_forward_metadata, self._attach, max_bs
+            self.model, self.attn_backend.init_forward_metadata, self._attach, fixed, max_bs
         )
-        self.compiled_decode.warm_up(self.device)
+        # dummy rows: token 0 from req-to-token row 0 (no request holds it yet) into slot 0,
+        # the padding page
+        self.compiled_decode.warm_up(
+            lambda bs, seq_len: self.forward_decode(
+                [0] * bs, [seq_len - 1] * bs, [0] * bs, [0] * bs
+            )
+        )
 
     def _uncapturable_layers(self) -> set[str]:
         """The quantization methods of the model's layers that cannot run inside a CUDA graph
