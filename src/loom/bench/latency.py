@@ -57,7 +57,8 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
         best = min(runs, key=lambda r: r["decode_ms_per_step"])
         print(
             f"Loom latency ({info['device']}, {info['dtype']}, {info['attention_backend']}, "
-            f"cuda graphs {'on' if info.get('cuda_graphs') else 'off'}): batch "
+            f"cuda graphs {'on' if info.get('cuda_graphs') else 'off'}"
+            f"{', torch.compile' if server_kwargs.get('enable_torch_compile') else ''}): batch "
             f"{ns.batch_size}, in {ns.input_len} / out {ns.output_len}"
         )
         print(
@@ -77,6 +78,8 @@ def run_latency(ns: argparse.Namespace, server_kwargs: dict[str, Any]) -> int:
                 "attention_backend": info["attention_backend"],
                 "model": info["model"],
                 "cuda_graphs": info.get("cuda_graphs"),
+                "torch_compile": bool(server_kwargs.get("enable_torch_compile")),
+                "quantization": server_kwargs.get("quantization"),
                 **best,
             },
         )
