@@ -56,17 +56,18 @@ def test_compiled_decode_equals_eager(tiny, eager):
     assert counters["stats"]["unique_graphs"] == 2  # batch 1, and 2; no recompiles
 
 
-def test_refused_with_lora(tiny):
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        ({"enable_lora": True, "max_lora_rank": 8}, "does not combine with --enable-lora"),
+        ({"tp_size": 2}, "does not combine with --tp-size"),
+    ],
+)
+def test_refused_where_it_cannot_apply(tiny, flags, error):
     import loom
 
-    with pytest.raises(ValueError, match="--enable-torch-compile does not combine"):
-        loom.Engine(
-            tiny,
-            skip_tokenizer_init=True,
-            enable_torch_compile=True,
-            enable_lora=True,
-            max_lora_rank=8,
-        )
+    with pytest.raises(ValueError, match=error):
+        loom.Engine(tiny, skip_tokenizer_init=True, enable_torch_compile=True, **flags)
 
 
 def test_two_models_in_one_process_keep_their_own_graphs(tiny, eager, tmp_path):

@@ -429,7 +429,8 @@ class KernelArgs:
         metadata=_arg(
             "Compile decode steps with torch.compile (Inductor) where they run eagerly: on the "
             "CPU, or on CUDA with --disable-cuda-graph. Needs a decode attention backend that "
-            "traces whole (torch_native) and no LoRA; compiling takes about a minute per graph "
+            "traces whole (torch_native), no LoRA and one rank (no --tp-size); compiling takes "
+            "about a minute per graph "
             "at start-up (cached on disk for the next start)."
         ),
     )

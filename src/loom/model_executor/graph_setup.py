@@ -46,6 +46,8 @@ class GraphSetup:
             return
         if self.lora_manager is not None:
             raise ValueError("--enable-torch-compile does not combine with --enable-lora")
+        if args.tp_size > 1:  # (each rank would warm up alone, out of step with the others)
+            raise ValueError("--enable-torch-compile does not combine with --tp-size > 1")
         if not self.attn_backend.supports_torch_compile:
             raise ValueError(
                 "--enable-torch-compile needs a decode attention backend that torch.compile "
