@@ -428,7 +428,8 @@ class KernelArgs:
         default=False,
         metadata=_arg(
             "Compile decode steps with torch.compile (Inductor) where they run eagerly: on the "
-            "CPU, or on CUDA with --disable-cuda-graph. Needs a decode attention backend that "
+            "CPU, or on CUDA with --disable-cuda-graph (with CUDA graphs it is not applied). "
+            "Needs a decode attention backend that "
             "traces whole (torch_native), no LoRA and one rank (no --tp-size); compiling takes "
             "about a minute per graph "
             "at start-up (cached on disk for the next start)."

@@ -36,13 +36,20 @@ class GraphSetup:
                 self.capture_mixed_graphs(min(max_bs, self.max_running_requests))
 
     def compile_decode(self) -> None:
-        """With --enable-torch-compile, the decode steps that run eagerly (batches up to
-        --torch-compile-max-bs beyond the CUDA graphs) run through ``CompiledDecode``; refused
-        with a clear error where it cannot apply."""
+        """With --enable-torch-compile, eager decode steps (no CUDA graphs: the CPU, or
+        --disable-cuda-graph) of up to --torch-compile-max-bs requests run through
+        ``CompiledDecode``; refused with a clear error where it cannot apply."""
         from loom.model_executor.compiled_decode import CompiledDecode
 
         args = self.args
         if not args.enable_torch_compile:
+            return
+        if self.cuda_graph_runner is not None:
+            # (SGLang's launch lines carry the flag: serving goes on with the graphs)
+            logger.warning(
+                "--enable-torch-compile not applied: CUDA graphs serve decode here (it compiles "
+                "decode steps that run eagerly: on the CPU, or with --disable-cuda-graph)"
+            )
             return
         if self.lora_manager is not None:
             raise ValueError("--enable-torch-compile does not combine with --enable-lora")
