@@ -76,6 +76,13 @@ class ServerArgs:
         for attr, cls in SECTIONS.items():
             own = {k: v for k, v in kwargs.items() if _SECTION_OF[k] == attr}
             object.__setattr__(self, attr, cls(**own))
+        if self.enable_torch_compile:
+            # refused here, before any rank starts (each rank's warm-up would run alone, out of
+            # step with the others' collectives; LoRA batches never reach a compiled step)
+            if self.enable_lora:
+                raise ValueError("--enable-torch-compile does not combine with --enable-lora")
+            if self.tp_size > 1:
+                raise ValueError("--enable-torch-compile does not combine with --tp-size > 1")
 
     def __getattr__(self, name: str) -> Any:
         attr = _SECTION_OF.get(name) if not name.startswith("__") else None

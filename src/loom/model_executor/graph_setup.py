@@ -38,7 +38,7 @@ class GraphSetup:
     def compile_decode(self) -> None:
         """With --enable-torch-compile, eager decode steps (no CUDA graphs: the CPU, or
         --disable-cuda-graph) of up to --torch-compile-max-bs requests run through
-        ``CompiledDecode``; refused with a clear error where it cannot apply."""
+        ``CompiledDecode`` (``ServerArgs`` refuses it with LoRA or tensor parallelism)."""
         from loom.model_executor.compiled_decode import CompiledDecode
 
         args = self.args
@@ -51,10 +51,6 @@ class GraphSetup:
                 "decode steps that run eagerly: on the CPU, or with --disable-cuda-graph)"
             )
             return
-        if self.lora_manager is not None:
-            raise ValueError("--enable-torch-compile does not combine with --enable-lora")
-        if args.tp_size > 1:  # (each rank would warm up alone, out of step with the others)
-            raise ValueError("--enable-torch-compile does not combine with --tp-size > 1")
         if not self.attn_backend.supports_torch_compile:
             raise ValueError(
                 "--enable-torch-compile needs a decode attention backend that torch.compile "
