@@ -42,7 +42,12 @@ class OutputRouter:
     def forget(self, rid: str) -> None:
         with self.lock:
             st = self.states.pop(rid, None)
-        if st is not None and st.lora_id is not None and self.lora_release is not None:
+        if st is not None:
+            self._release(st)
+
+    def _release(self, st: ReqState) -> None:
+        """A forgotten request no longer holds its adapter."""
+        if st.lora_id is not None and self.lora_release is not None:
             self.lora_release(st.lora_id)
 
     def all(self) -> list[ReqState]:
@@ -152,8 +157,7 @@ class OutputRouter:
                 st.outputs.put([out])
             else:
                 put(st, out)
-            if st.lora_id is not None and self.lora_release is not None:
-                self.lora_release(st.lora_id)
+            self._release(st)
             abort(st.rid)
         if self.metrics is not None:
             self.metrics.observe_outputs(ended, now)
