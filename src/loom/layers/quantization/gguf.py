@@ -57,7 +57,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         out_features, in_features = layer.weight.shape
-        if layer.weight.device.type != "cpu":
+        if layer.weight.device.type not in ("cpu", "meta"):  # (meta: loaded layer by layer)
             raise ValueError("the int4 path of --quantization gguf runs on the CPU")
         if in_features % GROUP:
             raise ValueError(f"input size {in_features} is not a multiple of {GROUP}")
