@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import loom
-from loom.lora.registry import parse_lora_paths
+from loom.lora.registry import LoRARef, LoRARegistry, parse_lora_paths
 from tests.test_lora import (  # noqa: F401
     GREEDY,
     PROMPTS,
@@ -211,3 +211,18 @@ def test_an_adapter_gone_from_disk_fails_its_requests_alone(lora_setup, peft_ref
         assert outs[1]["output_ids"] == peft_ref("b", PROMPTS[0])[0]
         assert outs[2]["output_ids"] == peft_ref(None, PROMPTS[0])[0]
         e.scheduler.check_kv_balance()
+
+
+def test_sync_follows_the_schedulers_adapters_but_not_over_a_load_or_unload_under_way():
+    a, b, c = LoRARef("a", "/a"), LoRARef("b", "/b"), LoRARef("c", "/c")
+    reg = LoRARegistry([a, b])
+    loading = reg.begin_load("d", "/d", False)
+    unloading = reg.begin_unload("b")
+    # another front end unloaded "a" and loaded "c"; "b" is still the scheduler's
+    reg.sync((b, c))
+    assert reg.names == ["c"]  # "b" stays away while this front end unloads it
+    reg.sync((b, c, LoRARef("d", "/elsewhere")))
+    assert reg.names == ["c"]  # and "d" is this front end's own load to finish
+    reg.end_load(loading, ok=True)
+    reg.end_unload(unloading, ok=False)  # refused (another front end's request used it)
+    assert reg.names == ["b", "c", "d"] and reg.get("d") is loading

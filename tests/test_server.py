@@ -567,14 +567,36 @@ def test_bad_input(server, client, path, body, status, param):
     assert resp.choices[0].message.content
 
 
-def test_api_key_queue_limit_and_sigterm():
-    s = Server("--max-running-requests", "1", "--max-queued-requests", "2", api_key="sekret")
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_api_key_queue_limit_and_sigterm(fronts):
+    """With two front-end processes (``--tokenizer-worker-num 2``) each checks the key, and
+    each admits its share of the queue limit."""
+    s = Server(
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "2",
+        "--tokenizer-worker-num",
+        str(fronts),
+        api_key="sekret",
+    )
     try:
         url = s.url + "/v1/models"
-        assert http_get(url).status_code == 401
-        assert http_get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert http_get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
-        assert http_get(s.url + "/health").status_code == 200  # no key needed
+        key = {"Authorization": "Bearer sekret"}
+        checked = set()
+        for _ in range(200):  # a connection to each front end, found by asking it
+            with httpx.Client(timeout=30) as c:
+                front_end = c.get(s.url + "/server_info", headers=key).json()["front_end"]
+                if front_end in checked:
+                    continue
+                checked.add(front_end)
+                assert c.get(url).status_code == 401
+                assert c.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+                assert c.get(url, headers=key).status_code == 200
+                assert c.get(s.url + "/health").status_code == 200  # no key needed
+            if len(checked) == fronts:
+                break
+        assert checked == set(range(fronts))
         statuses = []
 
         def run():

@@ -417,9 +417,9 @@ def test_fuzz_hostile_bodies_next_to_good_requests(fuzz_server):
 # ---- exit deadlines ------------------------------------------------------------------------
 
 
-def _stream_events(url: str, body: dict, out: list) -> None:
+def _stream_events(url: str, body: dict, out: list, client: httpx.Client | None = None) -> None:
     try:
-        with httpx.stream("POST", url, json=body, timeout=60) as r:
+        with (client or httpx).stream("POST", url, json=body, timeout=60) as r:
             out.append(r.status_code)
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -475,6 +475,16 @@ def test_scheduler_death_ends_requests_with_errors_and_exits_in_time():
     )
 
 
+def wait_exit(s, t0: float, threads: list[threading.Thread]) -> tuple[int, float, str]:
+    """The server's exit status, the seconds from ``t0`` to its exit and its output, once the
+    client threads have ended."""
+    rc = s.proc.wait(timeout=15)
+    exit_s = time.monotonic() - t0
+    for t in threads:
+        t.join(10)
+    return rc, exit_s, s.proc.stdout.read()
+
+
 def _openai_stream(url: str, out: list) -> None:
     from openai import APIError, OpenAI
 
@@ -521,11 +531,7 @@ def test_shutdown_under_load_exits_in_time_with_honest_errors(sig):
             os.kill(s.scheduler_pid, signal.SIGSTOP)
         t0 = time.monotonic()
         s.proc.send_signal(sig if isinstance(sig, int) else signal.SIGTERM)
-        rc = s.proc.wait(timeout=15)
-        exit_s = time.monotonic() - t0
-        for t in threads:
-            t.join(10)
-        out = s.proc.stdout.read()
+        rc, exit_s, out = wait_exit(s, t0, threads)
     finally:
         if s.proc.poll() is None:
             s.proc.kill()

@@ -88,6 +88,24 @@ def test_tiny_models_tp2_match_tp1(arch, tmp_path):
     assert two == one
 
 
+def test_a_start_that_fails_after_the_ranks_met_leaves_no_group_behind(monkeypatch):
+    import torch.distributed as dist
+
+    from loom.distributed import get_tp_size
+    from loom.scheduler import scheduler
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused after the model was built")
+
+    monkeypatch.setattr(scheduler.Scheduler, "__init__", refuse)
+    with pytest.raises(RuntimeError, match="refused after the model was built"):
+        loom.Engine(skip_tokenizer_init=True, tp_size=2, max_total_tokens=512)
+    assert not dist.is_initialized() and get_tp_size() == 1
+    monkeypatch.undo()
+    (outs,), _, _ = _generate(2, [[1, 2, 3]], max_total_tokens=512)  # a new group forms
+    assert len(outs[0]) == GREEDY["max_new_tokens"]
+
+
 def test_a_killed_rank_stops_the_server_naming_it():
     e = loom.Engine(skip_tokenizer_init=True, tp_size=2, max_total_tokens=512)
     try:

@@ -4,6 +4,7 @@ swapped in place between steps; the oracle is a fresh engine started on the new 
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -102,11 +103,17 @@ def test_requests_running_during_a_swap_pause_or_abort(ckpts, abort):
         e.scheduler.check_kv_balance()
 
 
-def test_http_update_weights_from_disk(ckpts, want):
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_http_update_weights_from_disk(ckpts, want, fronts):
+    """With two front-end processes the answer comes back to the one that asked, and every
+    front end serves and reports the new weights."""
     from tests.test_server import Server
 
     a, b, _ = ckpts
-    s = Server("--model", a, "--skip-tokenizer-init", "--dtype", "float32")
+    s = Server(
+        "--model", a, "--skip-tokenizer-init", "--dtype", "float32",
+        "--tokenizer-worker-num", str(fronts),
+    )  # fmt: skip
     try:
         r = httpx.post(s.url + "/update_weights_from_disk", json={"model_path": b}, timeout=120)
         assert r.status_code == 200, r.text
@@ -115,12 +122,27 @@ def test_http_update_weights_from_disk(ckpts, want):
             "message": f"weights updated from {b}",
             "num_paused_requests": 0,
         }
-        gen = httpx.post(
-            s.url + "/generate",
-            json={"input_ids": _prompts()[0], "sampling_params": PARAMS},
-            timeout=120,
-        ).json()
-        assert gen["output_ids"] == want[b][0]
+        seen = set()
+        for _ in range(200):  # each front end, on a connection of its own
+            with httpx.Client(timeout=120) as c:
+                info = c.get(s.url + "/server_info").json()
+                if info["front_end"] in seen:
+                    continue
+                seen.add(info["front_end"])
+                for _ in range(30):  # (a front end hears the scheduler's figures each second)
+                    if info["model_path"] == b:
+                        break
+                    time.sleep(0.1)
+                    info = c.get(s.url + "/server_info").json()
+                assert info["model_path"] == b
+                gen = c.post(
+                    s.url + "/generate",
+                    json={"input_ids": _prompts()[0], "sampling_params": PARAMS},
+                ).json()
+                assert gen["output_ids"] == want[b][0]
+            if len(seen) == fronts:
+                break
+        assert seen == set(range(fronts))
         r = httpx.post(
             s.url + "/update_weights_from_disk", json={"model_path": "/nowhere"}, timeout=120
         )

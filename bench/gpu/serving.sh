@@ -24,6 +24,10 @@
 #                   workers at each RATE in turn
 #   abrates SHAPE "SERVER_FLAGS" N ROUNDS RATE...  ROUNDS of: a server of bench_base/src, then one
 #                   of src (both with SERVER_FLAGS), each under the Poisson runs of `rates`
+#   fronts SHAPE "SERVER_FLAGS" N ROUNDS RATE...  offline, then ROUNDS of: a server with one
+#                   front-end process, then one with N (--tokenizer-worker-num; both with
+#                   SERVER_FLAGS), each under /generate all at once from 4 workers and the
+#                   Poisson runs of `rates`; RATE "auto": 80% of the offline request rate
 #   base SHAPE      /generate from 4 workers against the server of bench_base/src
 #   tools SHAPE     chat requests forced to call a tool (--tool-choice required, then named)
 #                   against the same requests without tools, at concurrency 1 (16 requests)
@@ -132,6 +136,24 @@ abrates)  # SHAPE "SERVER_FLAGS" N ROUNDS RATE...: base and new servers in turn,
       serve $src --incremental-streaming-output $flags || exit 1
       for r in "${@:7}"; do
         client "$side generate x4 rate $r [$flags]" --num-workers 4 --request-rate "$r" --num-prompts "$n"
+      done
+      stop
+    done
+  done
+  ;;
+fronts)  # SHAPE "SERVER_FLAGS" N ROUNDS RATE...: one front end, then N, in turn
+  flags=${4?usage: bash $0 OUTDIR fronts SHAPE "SERVER_FLAGS" N ROUNDS RATE...}
+  n=${5:?usage: bash $0 OUTDIR fronts SHAPE "SERVER_FLAGS" N ROUNDS RATE...}
+  rounds=${6:?usage: bash $0 OUTDIR fronts SHAPE "SERVER_FLAGS" N ROUNDS RATE...}
+  offline_rate
+  for _ in $(seq "$rounds"); do
+    for fe in 1 "$n"; do
+      # shellcheck disable=SC2086  # the flags are words
+      serve src --incremental-streaming-output --tokenizer-worker-num "$fe" $flags || exit 1
+      client "fronts $fe generate x4 [$flags]" --num-workers 4
+      for r in "${@:7}"; do
+        [ "$r" = auto ] && r=$rate
+        client "fronts $fe generate x4 rate $r [$flags]" --num-workers 4 --request-rate "$r"
       done
       stop
     done

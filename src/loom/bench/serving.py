@@ -252,13 +252,27 @@ def server_profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[
     return out
 
 
-def _server_info(client) -> dict[str, Any]:
+def _server_infos(client, count: int) -> dict[int, dict[str, Any]]:
+    """``/server_info`` of each of the server's ``count`` front-end processes, by index (each
+    asked on a new connection, which the kernel hands to one of them); {} if the server is
+    gone."""
     import httpx
 
-    try:
-        return client.get("/server_info").json()
-    except httpx.HTTPError:
-        return {}
+    infos: dict[int, dict[str, Any]] = {}
+    for _ in range(1 if count == 1 else 32 * count):
+        try:
+            if count == 1:
+                info = client.get("/server_info").json()
+            else:
+                info = httpx.get(
+                    f"{client.base_url}/server_info", headers=client.headers, timeout=60
+                ).json()
+        except httpx.HTTPError:
+            return infos
+        infos.setdefault(info.get("front_end", 0), info)
+        if len(infos) == count:
+            break
+    return infos
 
 
 def _flush(client) -> None:
@@ -371,12 +385,22 @@ def _report(ns, info, summary: dict[str, Any], workers: int) -> None:
                 f"{'ITL p99 / decode step p50':<28}"
                 f"{summary['itl_p99_ms'] / eng['decode_step_p50_ms']:.1f}"
             )
-    prof = summary.get("server")
-    if prof:
-        cpu = ", ".join(
-            f"{p} {prof[p + '_cpu']:.0%}" for p in ("front", "scheduler") if p + "_cpu" in prof
-        )
-        print(f"{'server CPU per process':<28}{cpu}")
+    fronts = summary.get("front_ends") or (
+        {"0": summary["server"]} if summary.get("server") else {}
+    )
+    if fronts:
+        cpu = [
+            f"front{'' if len(fronts) == 1 else ' ' + i} {p['front_cpu']:.0%}"
+            for i, p in fronts.items()
+            if "front_cpu" in p
+        ]
+        sched = next(iter(fronts.values())).get("scheduler_cpu")
+        if sched is not None:
+            cpu.append(f"scheduler {sched:.0%}")
+        print(f"{'server CPU per process':<28}{', '.join(cpu)}")
+    for i, prof in fronts.items():
+        if len(fronts) > 1:
+            print(f"{'front end ' + i:<28}")
         if "handover_deliver_p99_ms" in prof:
             print(
                 f"{'  hand-over p50 / p99':<28}received {prof['handover_receive_p50_ms']:.2f} / "
@@ -429,13 +453,23 @@ def run_serving(ns: argparse.Namespace) -> int:
     for k, workers in enumerate(runs):
         if ns.flush_cache:
             _flush(client)
-        before = _server_info(client)
+        fronts = info.get("front_ends", 1)
+        befores = _server_infos(client, fronts)
         results, outs, elapsed = _run_once(ns, info, items, workers)
-        after = _server_info(client)  # ({} if the server is gone: a shutdown under load)
+        afters = _server_infos(client, fronts)  # ({} if the server is gone: a shutdown under load)
         summary = {**base, "num_workers": workers, **_summarize(results, outs, elapsed)}
+        both = sorted(set(befores) & set(afters))
+        before, after = (befores[both[0]], afters[both[0]]) if both else ({}, {})
         summary["engine"] = _engine_delta(before, after, elapsed) if after else {}
-        if before.get("profile") and after.get("profile"):
-            summary["server"] = server_profile_delta(before["profile"], after["profile"])
+        profiles = {
+            i: server_profile_delta(befores[i]["profile"], afters[i]["profile"])
+            for i in both
+            if befores[i].get("profile") and afters[i].get("profile")
+        }
+        if profiles:
+            summary["server"] = profiles[min(profiles)]
+        if fronts > 1:
+            summary["front_ends"] = {str(i): prof for i, prof in profiles.items()}
         _report(ns, info, summary, workers)
         if first is None:
             first = summary

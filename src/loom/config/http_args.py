@@ -51,6 +51,15 @@ class HTTPArgs:
             "Reject requests with 503 while this many are waiting to start (default: no limit)."
         ),
     )
+    tokenizer_worker_num: int = field(
+        default=1,
+        metadata=_arg(
+            "Front-end processes of `loom serve` (HTTP, tokenizing, detokenizing, streaming) "
+            "sharing its port; the scheduler sends each request's outputs to the process that "
+            "took it. With more than one, --max-queued-requests is shared out among them and "
+            "an adapter is unloaded only while no front end's request uses it."
+        ),
+    )
     log_level: str = field(
         default="warning",
         metadata=_arg("Logging level.", choices=("debug", "info", "warning", "error")),
@@ -58,7 +67,13 @@ class HTTPArgs:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _positive(self, "max_queued_requests")
+        _positive(self, "max_queued_requests", "tokenizer_worker_num")
+        limit, workers = self.max_queued_requests, self.tokenizer_worker_num
+        if limit is not None and limit < workers:
+            raise ValueError(
+                f"max_queued_requests ({limit}) is shared out among the front-end processes: "
+                f"it must be >= tokenizer_worker_num ({workers})"
+            )
         if self.max_request_body_mb <= 0:
             raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
         if not 0 < self.port < 65536:

@@ -55,20 +55,21 @@ def _build_scheduler(args: ServerArgs, eos_token_ids: set[int], loader: Any = No
         leader = TPLeader(args, resolve_device(args.device))
     try:
         runner = ModelRunner(args, loader=loader)
+        runner.tp_leader = leader
+        if leader is not None:
+            leader.attach(runner)
+        sched = Scheduler(args, runner, eos_token_ids)
+        watch = CompileWatch(sched.stats)
+        watch.install()
+        if _wants_warmup(runner, args):
+            t = time.perf_counter()
+            warm_up(sched)  # Triton compiles before the first request, not inside it
+            logger.info("warm-up took %.2f s", time.perf_counter() - t)
     except BaseException:
+        # the ranks stop and this process leaves their group: a later engine here starts anew
         if leader is not None:
             leader.close()
         raise
-    runner.tp_leader = leader
-    if leader is not None:
-        leader.attach(runner)
-    sched = Scheduler(args, runner, eos_token_ids)
-    watch = CompileWatch(sched.stats)
-    watch.install()
-    if _wants_warmup(runner, args):
-        t = time.perf_counter()
-        warm_up(sched)  # Triton compiles before the first request, not inside it
-        logger.info("warm-up took %.2f s", time.perf_counter() - t)
     watch.armed = runner.device.type == "cuda"  # (the CPU runs no Triton kernels)
     if runner.device.type == "cuda":
         # What start-up built (the model's modules, graphs, compiled kernels) lives until
@@ -173,9 +174,18 @@ class ThreadBackend:
 
 
 def scheduler_process_main(
-    args: ServerArgs, eos_token_ids: set[int], in_addr: str, out_addr: str, parent_pid: int
+    args: ServerArgs,
+    eos_token_ids: set[int],
+    in_addrs: list[str],
+    out_addrs: list[str],
+    parent_pid: int,
 ) -> None:
+    """The scheduler process: one pair of sockets per front end (``in_addrs[i]`` /
+    ``out_addrs[i]``, bound by front end ``i``); with several, each request's outputs go back
+    to the front end that sent it (``front_ends.OwnerRouting``)."""
     import zmq
+
+    from loom.engine.front_ends import OwnerRouting
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
@@ -184,39 +194,54 @@ def scheduler_process_main(
         format="[scheduler %(process)d] %(levelname)s %(name)s: %(message)s",
     )
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(out_addr)
+    pulls, pushes = [], []
+    for in_addr, out_addr in zip(in_addrs, out_addrs, strict=True):
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(in_addr)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)  # a front end behind by many steps is queued, not lost
+        push.connect(out_addr)
+        pulls.append(pull)
+        pushes.append(push)
     try:
         _, sched, info = _build_scheduler(args, eos_token_ids)
     except BaseException as e:
-        push.send_pyobj(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        pushes[0].send_pyobj(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
-    push.send_pyobj(("ready", info))
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
+    pushes[0].send_pyobj(("ready", info))
+    if len(pulls) == 1:
+        poller = zmq.Poller()
+        poller.register(pulls[0], zmq.POLLIN)
+        pull = pulls[0]
 
-    def poll(timeout: float) -> list[Message]:
-        msgs = []
-        if timeout > 0 and not poller.poll(int(timeout * 1000)):
-            return msgs
-        while True:
-            try:
-                msgs.append(pull.recv_pyobj(zmq.NOBLOCK))
-            except zmq.Again:
+        def poll(timeout: float) -> list[Message]:
+            msgs = []
+            if timeout > 0 and not poller.poll(int(timeout * 1000)):
                 return msgs
+            while True:
+                try:
+                    msgs.append(pull.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    return msgs
+
+        emit = pushes[0].send_pyobj
+    else:
+        routing = OwnerRouting(pulls, pushes)
+        poll, emit = routing.poll, routing.emit
 
     try:
-        run_scheduler_loop(sched, poll, push.send_pyobj, lambda: os.getppid() != parent_pid)
+        run_scheduler_loop(sched, poll, emit, lambda: os.getppid() != parent_pid)
     except BaseException as e:
         logger.exception("scheduler loop crashed")
-        with contextlib.suppress(Exception):
-            push.send_pyobj(("fatal", f"{type(e).__name__}: {e}"))
+        for push in pushes:
+            with contextlib.suppress(Exception):
+                push.send_pyobj(("fatal", f"{type(e).__name__}: {e}"), zmq.NOBLOCK)
         os._exit(1)
     finally:
-        push.close(linger=1000)
-        pull.close(linger=0)
+        for push in pushes:
+            push.close(linger=1000)
+        for pull in pulls:
+            pull.close(linger=0)
 
 
 class ProcessBackend:
@@ -235,8 +260,13 @@ class ProcessBackend:
         on_batch: OnBatch,
         on_failure: OnFailure,
         start_timeout: float = 600.0,
+        front_ends: int = 1,
     ) -> None:
+        """``front_ends``: this front end and ``front_ends - 1`` more, each attached later from
+        a process of its own through one of ``slots`` (``front_ends.AttachedBackend``)."""
         import zmq
+
+        from loom.engine.front_ends import FrontEndSlot
 
         self._on_batch = on_batch
         self._on_failure = on_failure
@@ -244,26 +274,37 @@ class ProcessBackend:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by receive_on
         self._failed = False  # the failure was reported (once)
         self._dir = tempfile.mkdtemp(prefix="loom-ipc-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        in_addrs = [f"ipc://{self._dir}/in{i}" for i in range(front_ends)]
+        out_addrs = [f"ipc://{self._dir}/out{i}" for i in range(front_ends)]
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)  # queue without bound: send() fails only peerless
-        self._push.bind(in_addr)
+        self._push.bind(in_addrs[0])
         self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(out_addr)
+        self._pull.bind(out_addrs[0])
         self._send_lock = threading.Lock()
         self._stopping = threading.Event()
+        self.slots: list[FrontEndSlot] = []
         mp = multiprocessing.get_context("spawn")
         self.process = mp.Process(
             target=scheduler_process_main,
             name="loom-scheduler",
-            args=(args, eos_token_ids, in_addr, out_addr, os.getpid()),
+            args=(args, eos_token_ids, in_addrs, out_addrs, os.getpid()),
             daemon=True,
         )
         self.process.start()
         self.info = self._wait_ready(start_timeout)
+        self.info["front_ends"] = front_ends
+        self.info["front_end"] = 0
+        self.slots = [
+            FrontEndSlot(i, in_addrs[i], out_addrs[i], {**self.info, "front_end": i})
+            for i in range(1, front_ends)
+        ]
         self._receiver = threading.Thread(target=self._receive, name="loom-receiver", daemon=True)
         self._receiver.start()
+
+    def _alive(self) -> bool:
+        return self.process.is_alive()
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
         waited = 0.0
@@ -296,7 +337,7 @@ class ProcessBackend:
             if ready:
                 if not self._handle(self._recv()):
                     return
-            elif not self.process.is_alive() and not self._stopping.is_set():
+            elif not self._alive() and not self._stopping.is_set():
                 self._died()
                 return
 
@@ -311,17 +352,33 @@ class ProcessBackend:
         if isinstance(msg, SchedulerBatchOut):
             self._on_batch(msg)
             return True
-        if msg[0] == "fatal" and not self._failed:
+        if msg[0] in ("fatal", "died") and not self._failed:
             self._failed = True
-            self._on_failure(RuntimeError(f"the scheduler process failed: {msg[1]}"))
+            error = f"the scheduler process failed: {msg[1]}" if msg[0] == "fatal" else msg[1]
+            self._on_failure(RuntimeError(error))
         return False
 
     def _died(self) -> None:
         if not self._failed:
             self._failed = True
-            self._on_failure(
-                RuntimeError(f"the scheduler process died (exit code {self.process.exitcode})")
-            )
+            error = f"the scheduler process died (exit code {self.process.exitcode})"
+            self._tell_front_ends(error)
+            self._on_failure(RuntimeError(error))
+
+    def _tell_front_ends(self, error: str) -> None:
+        """The other front ends learn of the scheduler's death from a ``died`` message on their
+        output sockets."""
+        import zmq
+
+        for slot in self.slots:
+            sock = self._ctx.socket(zmq.PUSH)
+            try:
+                sock.connect(slot.out_addr)
+                sock.send_pyobj(("died", error), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            finally:
+                sock.close(linger=500)
 
     # ---- receiving on an event loop -----------------------------------------------------------
 
@@ -404,7 +461,7 @@ class ProcessBackend:
                     return
                 except zmq.Again:
                     # no peer yet, or one that stopped reading: wait only while it lives
-                    if self._stopping.is_set() or not self.process.is_alive():
+                    if self._stopping.is_set() or not self._alive():
                         raise RuntimeError("the scheduler process is not running") from None
                     time.sleep(0.001)
 

@@ -34,11 +34,18 @@ class ControlCalls:
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload adapter ``name``: new requests for it are refused at once; the call returns
-        when the requests already sent with it have ended and the scheduler has dropped it."""
+        when the requests already sent with it have ended and the scheduler has dropped it.
+        With several front ends, the scheduler refuses it (ValueError) while requests from the
+        others run on it."""
         registry = self._lora_on()
         ref = registry.begin_unload(name)
-        registry.wait_idle(ref.lora_id, self._check_alive)
-        self._control_call(lambda rid: UnloadLoRA(rid, ref.lora_id, name))
+        ok = False
+        try:
+            registry.wait_idle(ref.lora_id, self._check_alive)
+            self._control_call(lambda rid: UnloadLoRA(rid, ref.lora_id, name))
+            ok = True
+        finally:
+            registry.end_unload(ref, ok)
 
     def _lora_on(self):
         if self.lora_registry is None:

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loom import plugins
 from loom.config import ServerArgs
@@ -41,6 +41,9 @@ from loom.scheduler.messages import (
     SchedulerBatchOut,
 )
 
+if TYPE_CHECKING:
+    from loom.engine.front_ends import FrontEndSlot
+
 
 class Engine(ControlCalls):
     """A Loom engine: the front end (tokenizer, detokenizer, stop strings) plus a scheduler loop.
@@ -48,11 +51,14 @@ class Engine(ControlCalls):
     ``Engine(model=..., **server_args)`` takes the CLI flags as keyword arguments with underscores
     (``max_running_requests=8``). Use it as a context manager or call ``shutdown()``. The loop
     runs in a thread of this process (``backend="thread"``, the default) or, as ``loom serve``
-    does, in a scheduler process of its own (``backend="process"``).
-    """
+    does, in a scheduler process of its own (``"process"``; ``"serve"`` adds the slots that the
+    other front ends of ``--tokenizer-worker-num`` attach to)."""
 
-    def __init__(self, model: str | None = None, *, backend: str = "thread", **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, backend: str | FrontEndSlot = "thread", **kwargs: Any
+    ) -> None:
         from loom.engine.backends import ProcessBackend, ThreadBackend
+        from loom.engine.front_ends import AttachedBackend, FrontEndSlot
         from loom.model_loader.model_path import resolve_model_path
 
         if model is not None:
@@ -93,14 +99,21 @@ class Engine(ControlCalls):
         self._loop_error: BaseException | None = None
         self._stopped = threading.Event()
         self.load: dict[str, Any] = {}  # the scheduler's latest load figures
+        self._lora_refs = None  # the scheduler's adapters, last seen (several front ends)
         self.on_failure_hooks: list = []  # called once if the scheduler loop dies
+        self.before_shutdown: list = []  # called (once) before shutdown stops the scheduler
         hooks = (args, self.eos_token_ids, self._on_batch, self._on_failure)
-        if backend == "thread":
+        if isinstance(backend, FrontEndSlot):  # one of several front ends of ``loom serve``
+            self.backend = AttachedBackend(backend, self._on_batch, self._on_failure)
+        elif backend == "thread":
             self.backend = ThreadBackend(*hooks, loader=self.loader)
-        elif backend == "process":
-            self.backend = ProcessBackend(*hooks)
+        elif backend in ("process", "serve"):  # serve: --tokenizer-worker-num front ends
+            fronts = args.tokenizer_worker_num if backend == "serve" else 1
+            self.backend = ProcessBackend(*hooks, front_ends=fronts)
         else:
-            raise ValueError(f"backend must be 'thread' or 'process', got {backend!r}")
+            raise ValueError(
+                f"backend must be 'thread', 'process', 'serve' or a FrontEndSlot, got {backend!r}"
+            )
         self.info = self.backend.info
         if tokenizer is not None:
             self.tokenizer_manager = TokenizerManager(
@@ -170,6 +183,10 @@ class Engine(ControlCalls):
     def _on_batch(self, batch: SchedulerBatchOut) -> None:
         t = time.perf_counter()
         self.load = batch.stats
+        refs = batch.stats.get("lora_refs")
+        if refs is not None and refs != self._lora_refs:  # (several front ends)
+            self._lora_refs = refs
+            self.lora_registry.sync(refs)
         self.router.on_batch(batch)
         self.profile.output_messages += 1
         self.profile.output_message_s += time.perf_counter() - t
@@ -258,15 +275,7 @@ class Engine(ControlCalls):
         req = GenerateRequest(
             rid, input_ids, params, priority or 0, extra_key, lora, st.lora_id, *logprob
         )
-        if req.return_logprob:
-            st.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
-            if req.logprob_start_len >= 0:
-                st.logprobs["input_token_logprobs"] = []
-                if req.top_logprobs_num:
-                    st.logprobs["input_top_logprobs"] = []
-            if req.token_ids_logprob:
-                st.logprobs["output_token_ids_logprobs"] = []
-                st.logprobs["input_token_ids_logprobs"] = []
+        st.expect_logprobs(req)
         if batch is None:
             self._send([req])
         else:
@@ -470,6 +479,8 @@ class Engine(ControlCalls):
 
     def shutdown(self) -> None:
         if not self._stopped.is_set():
+            for hook in self.before_shutdown:
+                hook()
             self._stopped.set()
             self.backend.shutdown()
             if getattr(self, "constraints", None) is not None:

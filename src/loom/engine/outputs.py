@@ -21,7 +21,7 @@ from loom.engine.profile import FrontendProfile
 from loom.engine.tokenizer_manager import IncrementalDetokenizer
 from loom.sampling.sampling_params import SamplingParams
 from loom.sampling.stop_regex import compile_stop_regex
-from loom.scheduler.messages import ReqOutput
+from loom.scheduler.messages import GenerateRequest, ReqOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,19 @@ class ReqState:
     lora_id: str | None = None  # the adapter reference it runs on (counted in the registry)
     # the queue is a batch's (``wait_all``): a step's outputs for it arrive as one list
     shared: bool = False
+
+    def expect_logprobs(self, req: GenerateRequest) -> None:
+        """The lists of ``meta_info`` that ``req``'s logprob options fill."""
+        if not req.return_logprob:
+            return
+        self.logprobs = {"output_token_logprobs": [], "output_top_logprobs": []}
+        if req.logprob_start_len >= 0:
+            self.logprobs["input_token_logprobs"] = []
+            if req.top_logprobs_num:
+                self.logprobs["input_top_logprobs"] = []
+        if req.token_ids_logprob:
+            self.logprobs["output_token_ids_logprobs"] = []
+            self.logprobs["input_token_ids_logprobs"] = []
 
 
 def apply_output(

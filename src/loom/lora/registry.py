@@ -28,6 +28,7 @@ class LoRARegistry:
         self._cond = threading.Condition()
         self._refs: dict[str, LoRARef] = {r.lora_name: r for r in refs}
         self._loading: set[str] = set()  # names whose load is under way
+        self._unloading: set[str] = set()  # names whose unload is under way
         self._in_flight: dict[str, int] = {}  # lora_id -> requests submitted and not forgotten
 
     @property
@@ -85,7 +86,29 @@ class LoRARegistry:
             if ref is None:
                 loaded = ", ".join(sorted(self._refs)) or "none"
                 raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {loaded}")
+            self._unloading.add(name)
             return ref
+
+    def end_unload(self, ref: LoRARef, ok: bool) -> None:
+        """The unload's outcome: a refused one gives the name back."""
+        with self._cond:
+            self._unloading.discard(ref.lora_name)
+            if not ok:
+                self._refs.setdefault(ref.lora_name, ref)
+
+    def sync(self, refs: tuple[LoRARef, ...]) -> None:
+        """Follow the scheduler's adapters (with several front ends, another front end may
+        have loaded or unloaded one): a name whose load or unload this front end has under
+        way stays as it is."""
+        with self._cond:
+            busy = self._loading | self._unloading
+            ids = {r.lora_id for r in refs}
+            for name, ref in list(self._refs.items()):
+                if ref.lora_id not in ids and name not in busy:
+                    del self._refs[name]
+            for ref in refs:
+                if ref.lora_name not in busy:
+                    self._refs.setdefault(ref.lora_name, ref)
 
     def wait_idle(self, lora_id: str, check_alive, poll_s: float = 1.0) -> None:
         """Block until no request in flight uses ``lora_id``, calling ``check_alive`` (which

@@ -159,14 +159,17 @@ class TPLeader:
         """Raise naming the ranks of this host whose process has exited; while no call went
         out for a third of ``--dist-timeout``, ping every rank (a worker waits for calls no
         longer than that, and a rank that hangs is found idle too)."""
+        self._raise_exited()
+        if not self.closed and time.monotonic() - self.last_send > self.timeout / 3:
+            self.send(PING, {})
+
+    def _raise_exited(self) -> None:
         dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
         if dead and not self.closed:
             raise RuntimeError(
                 "tensor-parallel rank(s) exited: "
                 + ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(dead.items()))
             )
-        if not self.closed and time.monotonic() - self.last_send > self.timeout / 3:
-            self.send(PING, {})
 
     def explain(self, error: RuntimeError) -> RuntimeError:
         """A failed step's error naming the ranks: those of this host that exited, or else that
@@ -174,10 +177,17 @@ class TPLeader:
         which)."""
         if "tensor-parallel" in str(error):
             return error
-        try:
-            self.check()
-        except RuntimeError as dead:
-            return RuntimeError(f"{dead}: {error}")
+        # A killed rank's sockets close before its process can be reaped: the collective can
+        # fail first, so the exit is looked for a moment longer.
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                self._raise_exited()
+            except RuntimeError as dead:
+                return RuntimeError(f"{dead}: {error}")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         return RuntimeError(
             f"a tensor-parallel collective failed: one of ranks 1..{self.size - 1} hung past "
             f"--dist-timeout {self.timeout} s or died: {error}"

@@ -103,15 +103,17 @@ class SchedulerStats:
 def scheduler_stats(sched) -> dict[str, Any]:
     alloc = sched.cache.allocator
     used = (alloc.num_pages - alloc.num_free) * alloc.page_size
+    stats = _stats(sched, alloc, used)
     hstats = getattr(sched.cache.tree, "hstats", None)
     if hstats is not None:
-        return {
-            **_stats(sched, alloc, used),
-            "hicache_host_tokens": sched.cache.tree.host_size,
-            "hicache_host_hit_tokens": hstats.host_hit_tokens,
-            "hicache_storage_hit_tokens": hstats.storage_hit_tokens,
-        }
-    return _stats(sched, alloc, used)
+        stats["hicache_host_tokens"] = sched.cache.tree.host_size
+        stats["hicache_host_hit_tokens"] = hstats.host_hit_tokens
+        stats["hicache_storage_hit_tokens"] = hstats.storage_hit_tokens
+    manager = sched.lora.manager
+    if manager is not None and sched.args.tokenizer_worker_num > 1:
+        # the adapters loaded: each front end's registry follows them (engine._on_batch)
+        stats["lora_refs"] = tuple(manager.infos.values())
+    return stats
 
 
 def _stats(sched, alloc, used: int) -> dict[str, Any]:
@@ -127,6 +129,8 @@ def _stats(sched, alloc, used: int) -> dict[str, Any]:
         "kv_free_pages": alloc.num_free,
         "kv_total_pages": alloc.num_pages,
         "process_cpu_s": time.process_time(),  # the scheduler's process (CPU seconds)
+        # the weights' path (update_weights_from_disk changes it): every front end reports it
+        "model_path": sched.runner.model_path,
         # every SchedulerStats counter, by its field name (the histograms copied: an in-process
         # front end keeps this dict while the scheduler goes on counting)
         **{k: list(v) if type(v) is list else v for k, v in vars(sched.stats).items()},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -22,7 +23,11 @@ if TYPE_CHECKING:
     from loom.engine.engine import Engine
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(
+    engine: Engine, metrics_dir: str | None = None, on_ready: Callable[[], None] | None = None
+) -> FastAPI:
+    """``metrics_dir``: prometheus_client's multiprocess directory, shared by every front-end
+    process of the server; ``on_ready`` is called once the app serves."""
     ctx = ServerContext(engine)
 
     @contextlib.asynccontextmanager
@@ -35,6 +40,8 @@ def create_app(engine: Engine) -> FastAPI:
         # while every stream waits.
         gc.collect()
         gc.freeze()
+        if on_ready is not None:
+            on_ready()
         yield
         engine.backend.stop_receiving()
         # Stop the scheduler process before uvicorn re-raises SIGTERM/SIGINT and exits.
@@ -44,7 +51,7 @@ def create_app(engine: Engine) -> FastAPI:
     if not ctx.args.disable_metrics:
         from loom.server.metrics import Metrics
 
-        ctx.metrics = engine.metrics = Metrics(ctx.model_name)
+        ctx.metrics = engine.metrics = Metrics(ctx.model_name, metrics_dir)
     install_error_handlers(app)
     if ctx.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.args.api_key)

@@ -23,6 +23,11 @@ class ServerContext:
         self.args = engine.server_args
         self.model_name = self.args.served_model_name or self.args.model
         self.body_limit = int(self.args.max_request_body_mb * 2**20)
+        self.queue_limit = queue_share(
+            self.args.max_queued_requests,
+            engine.info.get("front_end", 0),
+            engine.info.get("front_ends", 1),
+        )
         self.metrics = None
         self.sse = EventEncoder(engine.profile)
 
@@ -57,14 +62,9 @@ class ServerContext:
     def admit(self, count: int) -> None:
         if self.engine._loop_error is not None:
             raise APIError(503, f"the scheduler has failed: {self.engine._loop_error}")
-        if (
-            self.args.max_queued_requests is not None
-            and self.engine.num_waiting + count > self.args.max_queued_requests
-        ):
-            raise APIError(
-                503,
-                f"too many queued requests (limit {self.args.max_queued_requests}); retry later",
-            )
+        if self.queue_limit is not None and self.engine.num_waiting + count > self.queue_limit:
+            limit = self.args.max_queued_requests
+            raise APIError(503, f"too many queued requests (limit {limit}); retry later")
 
     async def start(
         self,
@@ -96,3 +96,12 @@ class ServerContext:
         except ValueError as e:
             raise value_error(e, req.names if req else None) from e
         return out if isinstance(out, list) else [out]
+
+
+def queue_share(limit: int | None, index: int, front_ends: int) -> int | None:
+    """Front end ``index``'s share of ``--max-queued-requests``: the shares add up to the
+    limit, so the requests waiting over all front ends never exceed it (each front end counts
+    only its own)."""
+    if limit is None:
+        return None
+    return limit // front_ends + (1 if index < limit % front_ends else 0)

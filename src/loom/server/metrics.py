@@ -1,22 +1,37 @@
-"""Prometheus metrics of the front end (names follow SGLang's, with a ``loom:`` prefix)."""
+"""Prometheus metrics of the front end (names follow SGLang's, with a ``loom:`` prefix).
+
+With several front-end processes (``--tokenizer-worker-num``) every process records into
+prometheus_client's multiprocess files in one directory and ``/metrics``, whichever process
+answers it, reads them all: counters and histograms add up over the processes, and the load
+gauges (the scheduler's figures, which every process receives) report the latest value set.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    def __init__(self, model_name: str, multiprocess_dir: str | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
+        self.multiprocess_dir = multiprocess_dir
+        gauge_kw = {}
+        if multiprocess_dir is not None:
+            # prometheus_client's switch to its multiprocess values (read when a value is made)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiprocess_dir
+            if values.ValueClass is values.MutexValue:
+                values.ValueClass = values.MultiProcessValue()
+            gauge_kw["multiprocess_mode"] = "mostrecent"
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         kw = {"labelnames": labels, "registry": self.registry}
 
         def gauge(name, doc):
-            return Gauge(name, doc, **kw).labels(model_name)
+            return Gauge(name, doc, **kw, **gauge_kw).labels(model_name)
 
         def counter(name, doc):
             return Counter(name, doc, **kw).labels(model_name)
@@ -90,6 +105,10 @@ class Metrics:
             self.generation_tokens.inc(generated)
 
     def render(self) -> bytes:
-        from prometheus_client import generate_latest
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry)
