@@ -13,6 +13,7 @@ import torch
 import loom
 from loom import plugins
 from loom.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from loom.layers.quantization import cpu_blocks
 from loom.layers.quantization.gguf import GROUP, GGUFLinearMethod, unpack_blocks
 from loom.testing import check_quantization
 from tests.conftest import CHAT_PROMPTS, chat_ids, hf_top1_agreement, save_tiny_llama
@@ -35,11 +36,20 @@ def test_blocks_unpack_to_the_gguf_packages_values(qtype):
     assert torch.equal(got, torch.from_numpy(want))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_packed_layers_load_shards_and_match_the_dense_matmul(qtype):
+@pytest.mark.parametrize(
+    "qtype,kernel",
+    [("Q4_0", "loom"), ("Q4_1", "loom"), ("Q8_0", "loom"), ("Q4_0", "torch"), ("Q4_1", "torch")],
+)
+def test_packed_layers_load_shards_and_match_the_dense_matmul(qtype, kernel, monkeypatch):
     """A merged (gate/up) and a row-parallel layer given the method load their checkpoint
-    tensors' raw blocks through their own loaders and multiply like the dequantised weight
-    (bf16 inputs and scales: within 1% of the output's scale)."""
+    tensors' raw blocks through their own loaders and multiply like the dequantised weight:
+    through Loom's CPU kernel (int8 activations in blocks of 32), and through PyTorch's int4
+    kernel where Loom's does not run (bf16 inputs and scales); within 1% of the output's
+    scale."""
+    if kernel == "torch":
+        monkeypatch.setattr(cpu_blocks, "available", lambda: False)
+    elif not cpu_blocks.available():
+        pytest.skip(f"Loom's CPU block kernel: {cpu_blocks._build()}")
     gate, gate_w = _blocks(qtype, 96, 64, seed=1)
     up, up_w = _blocks(qtype, 96, 64, seed=2)
     down, down_w = _blocks(qtype, 64, 192, seed=3)
@@ -53,7 +63,8 @@ def test_packed_layers_load_shards_and_match_the_dense_matmul(qtype):
     x = torch.randn(5, 64)
     for layer in (merged, row):
         layer.process_weights_after_loading()
-        assert layer.weight is None and layer.qweight.dtype == torch.uint8
+        packed = layer.block_wq if kernel == "loom" else layer.qweight
+        assert layer.weight is None and packed.dtype == torch.uint8
     h = merged(x)
     want_h = x @ torch.from_numpy(np.concatenate([gate_w, up_w])).T
     assert h.dtype == torch.float32
@@ -66,9 +77,10 @@ def test_packed_layers_load_shards_and_match_the_dense_matmul(qtype):
 def test_default_model_kept_in_blocks_keeps_hf_top1(hf_model, engine):
     """The default model (Q4_1 GGUF) with ``--quantization gguf``: every attention and MLP
     projection held as int4 blocks (~8x smaller than fp32), and its greedy tokens against HF's
-    argmax on the same file (fp32, dequantised), teacher-forced on Loom's tokens: bf16 inputs
-    and scales, and the int8 head's per-row scales, flip near-ties only (measured 502 / 512 over
-    8 prompts x 64 tokens; a wrong block layout would agree on almost nothing)."""
+    argmax on the same file (fp32, dequantised), teacher-forced on Loom's tokens: int8
+    activations in blocks of 32 (Loom's kernel), or bf16 inputs and scales and a per-row int8
+    head (PyTorch's), flip near-ties only (measured over 8 prompts x 64 tokens: 507 / 512 and
+    502 / 512; a wrong block layout would agree on almost nothing)."""
     prompts = [chat_ids(engine, p) for p in CHAT_PROMPTS[:6]]
     params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     with loom.Engine(max_total_tokens=4096, quantization="gguf") as e:
@@ -76,7 +88,10 @@ def test_default_model_kept_in_blocks_keeps_hf_top1(hf_model, engine):
         packed = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
         assert len(packed) == 4 * model.config.num_hidden_layers
         assert all(m.weight is None for m in packed)
-        assert model.lm_head._head_int8[0].dtype == torch.int8  # the file's Q8_0 head as int8
+        if cpu_blocks.available():  # the file's Q8_0 head in its blocks
+            assert model.lm_head._head_blocks[3] == 8
+        else:  # as int8, one scale a row
+            assert model.lm_head._head_int8[0].dtype == torch.int8
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         e.scheduler.check_kv_balance()
     same, total = hf_top1_agreement(hf_model, prompts, outs)

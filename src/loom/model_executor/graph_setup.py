@@ -60,7 +60,12 @@ class GraphSetup:
         pool = self.kv_pool
         fixed = [*pool.k_buffers, *pool.v_buffers, self.req_to_token_pool.req_to_token]
         self.compiled_decode = CompiledDecode(
-            self.model, self.attn_backend.init_forward_metadata, self._attach, fixed, max_bs
+            self.model,
+            self.attn_backend.init_forward_metadata,
+            self._attach,
+            fixed,
+            max_bs,
+            cpp_wrapper=self.device.type == "cpu",
         )
         # dummy rows: token 0 from req-to-token row 0 (no request holds it yet) into slot 0,
         # the padding page

@@ -1,17 +1,15 @@
-"""``--quantization gguf``: a GGUF file's 4-bit linear weights kept in their blocks.
+"""``--quantization gguf``: a GGUF file's linear weights kept in their blocks.
 
-Q4_0 and Q4_1 store each row in blocks of 32 weights: an fp16 scale ``d`` (Q4_1: and an fp16
-offset ``m``) and 32 4-bit values ``q``, the weight being ``(q - 8) * d`` (Q4_1: ``q * d + m``).
-That is int4 with one scale and zero point per group of 32 along the input dimension, which
-PyTorch's CPU int4 matmul reads directly (``w = (q - 8) * scale + zero``: Q4_1's zero is
-``m + 8 d``), so a layer keeps its file's 4.5 / 5 bits a weight instead of 32. The loader hands
-these layers each tensor's raw blocks (``[rows, blocks * bytes]``, uint8, rows already in HF order),
-which the packed layers' loaders place by rows like dense ones; after loading they are unpacked
-into the int4 layout once. Layers whose parts are stored in other formats (Q8_0, the K-quants,
-F16, or parts of different formats) stay dense, dequantised as before.
-
-The matmul runs in bf16 (the CPU kernel's only fast input type; the scales round to bf16) and
-returns ``x``'s dtype.
+On the CPU, Q4_0, Q4_1 and Q8_0 layers keep their file's blocks (4.5 / 5 / 8.5 bits a weight
+instead of 32) and are multiplied by Loom's own kernel (``cpu_blocks``: the activations in int8
+blocks as llama.cpp takes them, exact int32 dot products on AVX-512 VNNI; from ``GEMM_ROWS``
+rows a bf16 GEMM over the dequantised weight). Where that kernel does not run, Q4_0 and Q4_1 go
+to PyTorch's CPU int4 matmul, which reads int4 with one scale and zero point per group of 32
+(``w = (q - 8) * scale + zero``: Q4_1's zero is ``m + 8 d``), with bf16 inputs and scales. The
+loader hands these layers each tensor's raw blocks (``[rows, blocks * bytes]``, uint8, rows
+already in HF order), which the packed layers' loaders place by rows like dense ones; after
+loading they are converted to the kernel's form once. Layers whose parts are stored in other
+formats (the K-quants, F16, or parts of different formats) stay dense, dequantised.
 
 On CUDA every block format of ``gguf_blocks`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 is kept as the file's bytes, ``[rows, blocks * bytes]`` uint8 on the device, and multiplied by
@@ -26,12 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.layers.quantization import cpu_blocks
 from loom.layers.quantization.base import LinearMethod, QuantizationConfig, column_cut
 from loom.layers.quantization.gguf_blocks import BLOCKS, row_bytes
 
 GROUP = 32
 # block bytes by GGML type name: fp16 scale (and fp16 offset), then 16 bytes of 32 nibbles
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def cpu_kept() -> dict[str, int]:
+    """The block formats kept packed on the CPU, with their block bytes: Loom's kernel's where
+    it runs here, else PyTorch's int4 kernel's."""
+    return cpu_blocks.GGUF_BYTES if cpu_blocks.available() else BLOCK_BYTES
 
 
 def unpack_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,16 +66,25 @@ class GGUFLinearMethod(LinearMethod):
             raise ValueError("the int4 path of --quantization gguf runs on the CPU")
         if in_features % GROUP:
             raise ValueError(f"input size {in_features} is not a multiple of {GROUP}")
-        row_bytes = in_features // GROUP * BLOCK_BYTES[self.qtype]
+        block_bytes = cpu_blocks.GGUF_BYTES[self.qtype]
+        row_bytes = in_features // GROUP * block_bytes
         weight = nn.Parameter(
             torch.empty(out_features, row_bytes, dtype=torch.uint8, device=layer.weight.device),
             requires_grad=False,
         )
         weight.weight_loader = layer.weight_loader
-        weight.input_columns = column_cut(GROUP, BLOCK_BYTES[self.qtype], self.qtype)
+        weight.input_columns = column_cut(GROUP, block_bytes, self.qtype)
         layer.weight = weight
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if cpu_blocks.available():
+            wq, wd, wm, bits = cpu_blocks.from_gguf(layer.weight.data, self.qtype)
+            for name, t in (("block_wq", wq), ("block_wd", wd), ("block_wm", wm)):
+                layer.register_buffer(name, t, persistent=False)
+            layer.block_bits = bits
+            del layer.weight
+            layer.register_parameter("weight", None)
+            return
         q, scale, zero = unpack_blocks(layer.weight.data, self.qtype)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         layer.register_buffer("qweight", packed, persistent=False)
@@ -81,6 +95,11 @@ class GGUFLinearMethod(LinearMethod):
         layer.register_parameter("weight", None)
 
     def apply(self, layer, x, bias):
+        if getattr(layer, "block_bits", None) is not None:
+            y = cpu_blocks.block_mm(
+                x, layer.block_wq, layer.block_wd, layer.block_wm, layer.block_bits
+            )
+            return y if bias is None else y + bias
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, shape[-1]).to(torch.bfloat16), layer.qweight, GROUP, layer.scales_zeros
@@ -154,7 +173,7 @@ class GGUFQuantization(QuantizationConfig):
         found = [s for s in sources if s in self.types]
         kinds = {self.types[s] for s in found}
         blocks = keeps_blocks()
-        kept = BLOCKS if blocks else BLOCK_BYTES
+        kept = BLOCKS if blocks else cpu_kept()
         if not found or len(kinds) != 1 or next(iter(kinds)) not in kept:
             return None
         self._packed.update(found)

@@ -1,0 +1,235 @@
+// Block-quantized matmuls for the CPU: GGUF's Q4_0 / Q4_1 / Q8_0 weights against activations
+// quantized to int8 in blocks of 32 (llama.cpp's Q8 activations), on AVX-512 VNNI.
+//
+// Weights, per output row: unsigned codes u (0..15 packed two to a byte, or 0..255) and, per
+// block of 32 inputs, an fp16 scale d and offset m: w = u * d + m. Q4_1 is exactly that; Q4_0
+// is m = -8 d and Q8_0 (signed codes q) is u = q + 128, m = -128 d. Two blocks form a pair of
+// 64 inputs: a 4-bit pair is 32 bytes whose low nibbles are the first block's codes and whose
+// high nibbles are the second's, so one 256-bit load unpacks into one 512-bit register.
+//
+// Activations, per row: x in blocks of 32, d_x = max|x| / 127, q_x = round(x / d_x) (ties to
+// even), s_x = d_x * sum(q_x). Then
+//   y = sum over blocks of  d * d_x * dot(u, q_x)  +  m * s_x
+// where dot(u, q_x) is exact in int32 (vpdpbusd: unsigned 8-bit by signed 8-bit).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+inline __m512 widen_pair(__m128 two) {
+  // lanes 0-7 <- two[0], lanes 8-15 <- two[1]
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+}
+
+inline __m512 half_pair(const at::Half* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return widen_pair(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+}
+
+inline __m512 float_pair(const float* p) {
+  return widen_pair(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+}
+
+// One activation row: x [k] (k <= blocks * 32, the rest taken as 0) into q [blocks * 32],
+// d [blocks], s [blocks].
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t blocks, int8_t* q, float* d, float* s) {
+  float buf[kBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kBlock, n = std::max<int64_t>(0, std::min(kBlock, k - lo));
+    for (int64_t i = 0; i < kBlock; ++i) buf[i] = i < n ? static_cast<float>(x[lo + i]) : 0.f;
+    __m512 a = _mm512_loadu_ps(buf), c = _mm512_loadu_ps(buf + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float db = amax / 127.f;
+    const float inv = amax > 0.f ? 1.f / db : 0.f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    // cvtps_epi32 rounds to nearest, ties to even (the default MXCSR mode)
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vi));
+    __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, vi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + lo), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + lo + 16), _mm512_cvtsepi32_epi8(qc));
+    d[b] = db;
+    s[b] = db * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
+  }
+}
+
+// MT activation rows against weight rows [n0, n1).
+template <int BITS, int MT>
+void rows_tile(
+    const uint8_t* wq, const at::Half* wd, const at::Half* wm, int64_t pairs,
+    const int8_t* xq, const float* xd, const float* xs, int64_t m0, int64_t n0, int64_t n1,
+    float* y, int64_t n_out) {
+  const int64_t blocks = 2 * pairs, kp = blocks * kBlock;
+  const int64_t row_bytes = pairs * (BITS == 4 ? 32 : 64);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = wq + n * row_bytes;
+    const at::Half* d = wd + n * blocks;
+    const at::Half* m = wm + n * blocks;
+    __m512 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512i u;
+      if constexpr (BITS == 4) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        u = _mm512_and_si512(u, low);
+      } else {
+        u = _mm512_loadu_si512(w + p * 64);
+      }
+      const __m512 dw = half_pair(d + 2 * p);
+      for (int r = 0; r < MT; ++r) {
+        const int64_t row = m0 + r;
+        const __m512i xv = _mm512_loadu_si512(xq + row * kp + p * 64);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);
+        const __m512 scale = _mm512_mul_ps(dw, float_pair(xd + row * blocks + 2 * p));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < MT; ++r) {
+      const int64_t row = m0 + r;
+      const float* s = xs + row * blocks;
+      __m512 off = _mm512_setzero_ps();
+      int64_t b = 0;
+      for (; b + 16 <= blocks; b += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b));
+        off = _mm512_fmadd_ps(_mm512_cvtph_ps(h), _mm512_loadu_ps(s + b), off);
+      }
+      float tail = 0.f;
+      for (; b < blocks; ++b) tail += static_cast<float>(m[b]) * s[b];
+      y[row * n_out + n] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(off) + tail;
+    }
+  }
+}
+
+template <int BITS>
+void block_mm_impl(
+    const uint8_t* wq, const at::Half* wd, const at::Half* wm, int64_t pairs, int64_t n_out,
+    const int8_t* xq, const float* xd, const float* xs, int64_t rows, float* y) {
+  // Rows of x go four at a time through every weight row (a weight pair is unpacked once for
+  // four rows); x is taken in slabs of 64 rows so that a slab's codes stay in the core's cache.
+  constexpr int64_t kSlab = 64;
+  for (int64_t s0 = 0; s0 < rows; s0 += kSlab) {
+    const int64_t s1 = std::min(rows, s0 + kSlab);
+    const int64_t grain = std::max<int64_t>(1, 4096 / (pairs * (s1 - s0)));
+    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
+      int64_t m0 = s0;
+      for (; m0 + 4 <= s1; m0 += 4)
+        rows_tile<BITS, 4>(wq, wd, wm, pairs, xq, xd, xs, m0, n0, n1, y, n_out);
+      for (; m0 < s1; ++m0)
+        rows_tile<BITS, 1>(wq, wd, wm, pairs, xq, xd, xs, m0, n0, n1, y, n_out);
+    });
+  }
+}
+
+// x [rows, k] (float or bfloat16); wq [n, pairs * 32] (bits 4) or [n, pairs * 64] (bits 8),
+// uint8; wd, wm [n, 2 * pairs] float16. Returns y [rows, n] float32.
+at::Tensor block_mm(
+    const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm,
+    int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "block_mm: x must be 2-D and contiguous");
+  TORCH_CHECK(bits == 4 || bits == 8, "block_mm: bits must be 4 or 8");
+  TORCH_CHECK(wq.scalar_type() == at::kByte && wq.is_contiguous(), "block_mm: wq uint8");
+  TORCH_CHECK(wd.scalar_type() == at::kHalf && wm.scalar_type() == at::kHalf,
+              "block_mm: wd and wm float16");
+  const int64_t n_out = wq.size(0), blocks = wd.size(1), pairs = blocks / 2;
+  TORCH_CHECK(blocks % 2 == 0, "block_mm: an even number of blocks");
+  TORCH_CHECK(wq.size(1) == pairs * (bits == 4 ? 32 : 64), "block_mm: wq row size");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k <= blocks * kBlock, "block_mm: x has more columns than the weight's blocks");
+  auto xq = at::empty({rows, blocks * kBlock}, x.options().dtype(at::kChar));
+  auto xd = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
+  auto xs = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "block_mm_quantize", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    int8_t* q = xq.data_ptr<int8_t>();
+    float *d = xd.data_ptr<float>(), *s = xs.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row(xp + r * k, k, blocks, q + r * blocks * kBlock, d + r * blocks,
+                     s + r * blocks);
+    });
+  });
+  auto y = at::empty({rows, n_out}, x.options().dtype(at::kFloat));
+  auto args = std::make_tuple(
+      wq.data_ptr<uint8_t>(), wd.data_ptr<at::Half>(), wm.data_ptr<at::Half>(), pairs, n_out,
+      xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), rows,
+      y.data_ptr<float>());
+  if (bits == 4)
+    std::apply(block_mm_impl<4>, args);
+  else
+    std::apply(block_mm_impl<8>, args);
+  return y;
+}
+
+// 16 floats to bfloat16, rounded to nearest even (the weights are finite)
+inline __m256i to_bf16(__m512 f) {
+  __m512i b = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
+}
+
+// The weight as bfloat16 [n, 2 * pairs * 32], for batches large enough that a bf16 GEMM
+// (oneDNN) beats the per-row kernel.
+at::Tensor block_dequant(
+    const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_dequant: bits must be 4 or 8");
+  const int64_t n_out = wq.size(0), blocks = wd.size(1), pairs = blocks / 2;
+  const int64_t row_bytes = pairs * (bits == 4 ? 32 : 64);
+  TORCH_CHECK(wq.size(1) == row_bytes, "block_dequant: wq row size");
+  auto out = at::empty({n_out, blocks * kBlock}, wq.options().dtype(at::kBFloat16));
+  const uint8_t* wqp = wq.data_ptr<uint8_t>();
+  const at::Half *wdp = wd.data_ptr<at::Half>(), *wmp = wm.data_ptr<at::Half>();
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+    alignas(64) uint8_t u[64];
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint8_t* w = wqp + n * row_bytes + p * (bits == 4 ? 32 : 64);
+        if (bits == 4) {
+          for (int j = 0; j < 32; ++j) {
+            u[j] = w[j] & 0x0F;
+            u[32 + j] = w[j] >> 4;
+          }
+        } else {
+          std::memcpy(u, w, 64);
+        }
+        for (int h = 0; h < 4; ++h) {  // 16 codes at a time, block 2p + h / 2
+          const int64_t b = 2 * p + h / 2;
+          const __m512 d = _mm512_set1_ps(static_cast<float>(wdp[n * blocks + b]));
+          const __m512 m = _mm512_set1_ps(static_cast<float>(wmp[n * blocks + b]));
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16 * h));
+          const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), d, m);
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(o + n * blocks * kBlock + p * 64 + 16 * h), to_bf16(f));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loom_cpu, m) {
+  m.def("block_mm(Tensor x, Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
+  m.def("block_dequant(Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
+  m.impl("block_mm", &block_mm);
+  m.impl("block_dequant", &block_dequant);
+}
