@@ -84,15 +84,19 @@ def test_activation_codes_round_half_to_even():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_large_batches_dequantize_for_the_gemm(bits):
+@pytest.mark.parametrize("rows", [cpu_blocks.GEMM_ROWS + 3, 130])
+def test_large_batches_dequantize_for_the_gemm(bits, rows):
     """From ``GEMM_ROWS`` rows the weight is dequantized to bf16 (exactly ``u * d + m`` in fp32,
-    rounded to nearest even) for a bf16 GEMM: within bf16's rounding of the dense product."""
-    wq, wd, wm = _random(bits, 48, 6, seed=bits)
+    rounded to nearest even) for a bf16 GEMM, in chunks of ~1 MB of weight rows below 128 rows
+    (3,000 rows of 192 inputs: two chunks) and whole from 128: within bf16's rounding of the
+    dense product."""
+    wq, wd, wm = _random(bits, 3000, 6, seed=bits)
     dense = cpu_blocks.dequant_reference(wq, wd, wm, bits)
     assert torch.equal(torch.ops.loom_cpu.block_dequant(wq, wd, wm, bits), dense)
-    x = torch.randn(cpu_blocks.GEMM_ROWS + 3, 6 * 32 - 8)
+    x = torch.randn(rows, 6 * 32 - 8)
     got = cpu_blocks.block_mm(x, wq, wd, wm, bits)
     want = x @ dense.float()[:, : x.shape[1]].T
+    assert got.dtype == torch.float32 and got.shape == (rows, 3000)
     assert (got - want).abs().max() < 0.02 * want.abs().max()
 
 

@@ -182,44 +182,86 @@ inline __m256i to_bf16(__m512 f) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
 }
 
-// The weight as bfloat16 [n, 2 * pairs * 32], for batches large enough that a bf16 GEMM
-// (oneDNN) beats the per-row kernel.
-at::Tensor block_dequant(
-    const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_dequant: bits must be 4 or 8");
-  const int64_t n_out = wq.size(0), blocks = wd.size(1), pairs = blocks / 2;
-  const int64_t row_bytes = pairs * (bits == 4 ? 32 : 64);
-  TORCH_CHECK(wq.size(1) == row_bytes, "block_dequant: wq row size");
-  auto out = at::empty({n_out, blocks * kBlock}, wq.options().dtype(at::kBFloat16));
-  const uint8_t* wqp = wq.data_ptr<uint8_t>();
-  const at::Half *wdp = wd.data_ptr<at::Half>(), *wmp = wm.data_ptr<at::Half>();
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-    alignas(64) uint8_t u[64];
-    for (int64_t n = n0; n < n1; ++n) {
+// Weight rows [n0, n1) as bfloat16 into out [n1 - n0, blocks * 32]: u * d + m in fp32, rounded.
+void dequant_rows(
+    const uint8_t* wq, const at::Half* wd, const at::Half* wm, int64_t pairs, int64_t bits,
+    int64_t n0, int64_t n1, uint16_t* out) {
+  const int64_t blocks = 2 * pairs, row_bytes = pairs * (bits == 4 ? 32 : 64);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  at::parallel_for(n0, n1, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const uint8_t* w = wq + n * row_bytes;
+      uint16_t* o = out + (n - n0) * blocks * kBlock;
       for (int64_t p = 0; p < pairs; ++p) {
-        const uint8_t* w = wqp + n * row_bytes + p * (bits == 4 ? 32 : 64);
+        __m512i u;
         if (bits == 4) {
-          for (int j = 0; j < 32; ++j) {
-            u[j] = w[j] & 0x0F;
-            u[32 + j] = w[j] >> 4;
-          }
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+          u = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+          u = _mm512_and_si512(u, low);
         } else {
-          std::memcpy(u, w, 64);
+          u = _mm512_loadu_si512(w + p * 64);
         }
-        for (int h = 0; h < 4; ++h) {  // 16 codes at a time, block 2p + h / 2
-          const int64_t b = 2 * p + h / 2;
-          const __m512 d = _mm512_set1_ps(static_cast<float>(wdp[n * blocks + b]));
-          const __m512 m = _mm512_set1_ps(static_cast<float>(wmp[n * blocks + b]));
-          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16 * h));
-          const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), d, m);
-          _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(o + n * blocks * kBlock + p * 64 + 16 * h), to_bf16(f));
+        const int64_t b = n * blocks + 2 * p;
+        const __m512 d[2] = {_mm512_set1_ps(static_cast<float>(wd[b])),
+                             _mm512_set1_ps(static_cast<float>(wd[b + 1]))};
+        const __m512 m[2] = {_mm512_set1_ps(static_cast<float>(wm[b])),
+                             _mm512_set1_ps(static_cast<float>(wm[b + 1]))};
+        // 16 codes at a time: the first 32 are block 2p's, the next 32 block 2p + 1's
+        const __m128i q[4] = {
+            _mm512_extracti32x4_epi32(u, 0), _mm512_extracti32x4_epi32(u, 1),
+            _mm512_extracti32x4_epi32(u, 2), _mm512_extracti32x4_epi32(u, 3)};
+        for (int h = 0; h < 4; ++h) {
+          const __m512 f = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[h])), d[h / 2], m[h / 2]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + p * 64 + 16 * h), to_bf16(f));
         }
       }
     }
   });
+}
+
+// The weight as bfloat16 [n, blocks * 32].
+at::Tensor block_dequant(
+    const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_dequant: bits must be 4 or 8");
+  const int64_t n_out = wq.size(0), blocks = wd.size(1), pairs = blocks / 2;
+  TORCH_CHECK(wq.size(1) == pairs * (bits == 4 ? 32 : 64), "block_dequant: wq row size");
+  auto out = at::empty({n_out, blocks * kBlock}, wq.options().dtype(at::kBFloat16));
+  dequant_rows(wq.data_ptr<uint8_t>(), wd.data_ptr<at::Half>(), wm.data_ptr<at::Half>(), pairs,
+               bits, 0, n_out, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
+}
+
+// Batches large enough for a GEMM: x [rows, k] in bf16 times the weight dequantised to bf16.
+// Below 128 rows, ~1 MB of weight rows at a time: a chunk stays in the core's cache between the
+// dequantising and the GEMM, and no weight-sized temporary is allocated (the default model's
+// 49,152-row head at 64 rows: 6.8 ms against 16.8 ms dequantising it whole). Returns y
+// [rows, n] bfloat16.
+at::Tensor block_gemm(
+    const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm,
+    int64_t bits) {
+  TORCH_CHECK(x.dim() == 2, "block_gemm: x must be 2-D");
+  TORCH_CHECK(bits == 4 || bits == 8, "block_gemm: bits must be 4 or 8");
+  const int64_t n_out = wq.size(0), blocks = wd.size(1), pairs = blocks / 2;
+  const int64_t kp = blocks * kBlock, k = x.size(1);
+  TORCH_CHECK(wq.size(1) == pairs * (bits == 4 ? 32 : 64), "block_gemm: wq row size");
+  TORCH_CHECK(k <= kp, "block_gemm: x has more columns than the weight's blocks");
+  const auto xb = x.to(at::kBFloat16).contiguous();
+  auto y = at::empty({x.size(0), n_out}, x.options().dtype(at::kBFloat16));
+  // From 128 rows the GEMM's own efficiency outweighs the cache: one chunk (measured on the
+  // CPU machine: 576 x 1536 at 512 rows, 1.23 ms in two chunks against 0.51 in one).
+  const int64_t chunk = x.size(0) >= 128
+      ? n_out : std::min<int64_t>(n_out, std::max<int64_t>(16, (1 << 19) / kp));
+  auto buf = at::empty({chunk, kp}, wq.options().dtype(at::kBFloat16));
+  uint16_t* bp = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>());
+  for (int64_t c0 = 0; c0 < n_out; c0 += chunk) {
+    const int64_t c1 = std::min(n_out, c0 + chunk);
+    dequant_rows(wq.data_ptr<uint8_t>(), wd.data_ptr<at::Half>(), wm.data_ptr<at::Half>(),
+                 pairs, bits, c0, c1, bp);
+    auto out = y.narrow(1, c0, c1 - c0);
+    at::mm_out(out, xb, buf.narrow(0, 0, c1 - c0).narrow(1, 0, k).t());
+  }
+  return y;
 }
 
 }  // namespace
@@ -227,9 +269,11 @@ at::Tensor block_dequant(
 TORCH_LIBRARY(loom_cpu, m) {
   m.def("block_mm(Tensor x, Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
   m.def("block_dequant(Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
+  m.def("block_gemm(Tensor x, Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("block_mm", &block_mm);
   m.impl("block_dequant", &block_dequant);
+  m.impl("block_gemm", &block_gemm);
 }
