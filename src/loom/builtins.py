@@ -18,6 +18,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "attention_backend": {
         "torch_native": "loom.layers.attention.torch_native:TorchNativeAttnBackend",
+        "cpu": "loom.layers.attention.cpu_backend:CPUAttnBackend",
         "triton": "loom.layers.attention.triton_backend:TritonAttnBackend",
         "flash_attention": "loom.layers.attention.flash_attention_backend:FlashAttentionBackend",
         "flashinfer": "loom.layers.attention.flashinfer_backend:FlashInferAttnBackend",

@@ -7,62 +7,30 @@ file's own scales: Q4_1 stores ``d`` and ``m``; Q4_0 is ``m = -8 d``; Q8_0's sig
 llama.cpp quantizes them, and each block's dot product is exact in int32 (AVX-512 VNNI), so a
 4-bit layer keeps its file's 5 bits a weight and a decode step reads just those bytes.
 
-The kernel is compiled the first time it is needed (``torch.utils.cpp_extension``, cached
-under ``~/.cache/torch_extensions``) on CPUs with AVX-512 VNNI; where that CPU feature or the
-compiler is missing, ``available()`` says why and callers keep PyTorch's kernels.
+The kernel is compiled the first time it is needed (``loom.layers.cpu_ops``); where it cannot
+run, ``available()`` is False and callers keep PyTorch's kernels.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import time
 
 import torch
 
-logger = logging.getLogger(__name__)
+from loom.layers import cpu_ops
 
 BLOCK = 32
-# the CPU features the kernel is compiled for
-FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-FLAGS += ["-mf16c", "-mfma", "-fopenmp"]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 @functools.cache
 def _build() -> str | None:
     """Compile and load the kernel; the reason it cannot be used, or None."""
-    missing = [f for f in FEATURES if f not in _cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    from torch.utils import cpp_extension
-
-    source = os.path.join(os.path.dirname(__file__), "csrc", "block_mm.cpp")
-    start = time.perf_counter()
-    try:
-        cpp_extension.load(
-            name="loom_block_mm",
-            sources=[source],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja: PyTorch's kernels serve instead
-        return f"the kernel did not build: {type(e).__name__}: {str(e).strip()[-400:]}"
-    logger.info("Loom's CPU block kernel ready in %.1f s", time.perf_counter() - start)
+    reason = cpu_ops.build(
+        "loom_block_mm", os.path.join(os.path.dirname(__file__), "csrc", "block_mm.cpp")
+    )
+    if reason is not None:
+        return reason
 
     @torch.library.register_fake("loom_cpu::block_mm")
     def _(x, wq, wd, wm, bits):
@@ -83,13 +51,8 @@ def available() -> bool:
     """Whether the kernel runs here (built on first call)."""
     reason = _build()
     if reason is not None:
-        _warn_once(reason)
+        cpu_ops.warn_once("GGUF blocks on the CPU", reason)
     return reason is None
-
-
-@functools.cache
-def _warn_once(reason: str) -> None:
-    logger.warning("GGUF blocks on the CPU: PyTorch's kernels serve (%s)", reason)
 
 
 # From this many rows a matmul dequantizes the weight to bf16 for oneDNN's GEMM (AMX / AVX-512
