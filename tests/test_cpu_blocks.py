@@ -114,11 +114,20 @@ def test_kernel_matches_the_dense_weight_within_int8_activation_error():
 
 
 def test_kernel_runs_inside_a_compiled_graph():
-    """The op's fake implementation lets torch.compile trace it (the compiled decode step)."""
-    wq, wd, wm = _random(4, 32, 2)
+    """The op's fake implementation lets torch.compile trace it (the compiled decode step), and
+    one graph traced at 3 rows serves batches on both sides of ``GEMM_ROWS``: the per-row kernel
+    and the GEMM are one op, so no guard on the batch size recompiles mid-serving."""
+    from torch._dynamo.utils import counters
+
+    wq, wd, wm = _random(4, 32, 4)  # (sizes unlike the rows': Dynamo would equate them)
 
     def f(x):
         return torch.relu(cpu_blocks.block_mm(x * 2, wq, wd, wm, 4)) + 1
 
-    x = torch.randn(1, 64)
-    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for rows in (3, 5, cpu_blocks.GEMM_ROWS + 7):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -40,6 +40,10 @@ def _build() -> str | None:
     def _(x, wq, wd, wm, bits):
         return x.new_empty((x.shape[0], wq.shape[0]), dtype=torch.bfloat16)
 
+    @torch.library.register_fake("loom_cpu::block_linear")
+    def _(x, wq, wd, wm, bits, gemm_rows):
+        return x.new_empty((x.shape[0], wq.shape[0]), dtype=torch.float32)
+
     @torch.library.register_fake("loom_cpu::block_dequant")
     def _(wq, wd, wm, bits):
         return wq.new_empty((wq.shape[0], wd.shape[1] * BLOCK), dtype=torch.bfloat16)
@@ -64,11 +68,8 @@ GEMM_ROWS = 16
 def block_mm(x: torch.Tensor, wq: torch.Tensor, wd: torch.Tensor, wm: torch.Tensor, bits: int):
     """``x [..., k]`` times the block weight's transpose: ``[..., n]`` in ``x``'s dtype."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] >= GEMM_ROWS:
-        y = torch.ops.loom_cpu.block_gemm(x2, wq, wd, wm, bits)
-    else:
-        y = torch.ops.loom_cpu.block_mm(x2.contiguous(), wq, wd, wm, bits)
+    # one op for every batch size: a compiled decode graph then holds no branch on it
+    y = torch.ops.loom_cpu.block_linear(x.reshape(-1, shape[-1]), wq, wd, wm, bits, GEMM_ROWS)
     return y.reshape(*shape[:-1], wq.shape[0]).to(x.dtype)
 
 

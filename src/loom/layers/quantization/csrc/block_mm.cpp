@@ -264,16 +264,29 @@ at::Tensor block_gemm(
   return y;
 }
 
+// block_gemm from gemm_rows rows of x, else block_mm; float32. One op for both, so that a
+// graph traced by torch.compile holds no branch on the batch size.
+at::Tensor block_linear(
+    const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm,
+    int64_t bits, int64_t gemm_rows) {
+  if (x.size(0) >= gemm_rows) return block_gemm(x, wq, wd, wm, bits).to(at::kFloat);
+  return block_mm(x.contiguous(), wq, wd, wm, bits);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loom_cpu, m) {
   m.def("block_mm(Tensor x, Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
   m.def("block_dequant(Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
   m.def("block_gemm(Tensor x, Tensor wq, Tensor wd, Tensor wm, int bits) -> Tensor");
+  m.def(
+      "block_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int bits, int gemm_rows) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("block_mm", &block_mm);
   m.impl("block_dequant", &block_dequant);
   m.impl("block_gemm", &block_gemm);
+  m.impl("block_linear", &block_linear);
 }
