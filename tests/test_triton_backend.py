@@ -188,9 +188,13 @@ def test_an_out_of_tree_backend_joins_auto_by_its_priority(tiny_dir):
         def auto_priority(cls, device, phase):
             return 50 if phase == "decode" else None
 
+    from loom.layers.attention.cpu_backend import CPUAttnBackend
+
     prompts, params, kw, want = _reference_run(tiny_dir)
-    with loom.Engine(**kw) as e:  # auto, before the plug-in: torch_native only on CPU
-        assert e.get_server_info()["attention_backend"] == "torch_native"
+    with loom.Engine(**kw) as e:  # auto, before the plug-in: Loom's own CPU backends
+        cpu = CPUAttnBackend.is_supported(torch.device("cpu"))  # (it ranks 20 for decode)
+        before = "torch_native prefill + cpu decode" if cpu else "torch_native"
+        assert e.get_server_info()["attention_backend"] == before
     plugins.register("attention_backend", "cpu_decode_for_test", CpuDecode)
     try:
         with loom.Engine(**kw) as e:
