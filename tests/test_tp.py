@@ -346,7 +346,8 @@ def test_two_hosts_meet_at_dist_init_addr_and_must_agree():
     two = dict(nnodes=2, node_rank=0, dist_init_addr=addr, max_total_tokens=512)
     (got,), _, _ = _generate(2, prompts, **two)
     assert got == want
-    assert host.wait(timeout=30) == 0
+    rc = host.wait(timeout=30)
+    assert rc == 0, f"the second host exited {rc}:\n{host.stdout.read()[-4000:]}"
     # a host started with other flags: both ends stop, naming what differs
     addr = f"127.0.0.1:{_free_port()}"
     host = _second_host(addr, "--max-total-tokens", "256")
