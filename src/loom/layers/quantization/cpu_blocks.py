@@ -100,22 +100,29 @@ def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int):
 GGUF_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
-def from_gguf(raw: torch.Tensor, qtype: str):
-    """A GGUF tensor's raw blocks ``[n, blocks * bytes]`` (uint8) as ``(wq, wd, wm, bits)``;
-    the file's fp16 scales are kept bit for bit."""
+def gguf_fields(raw: torch.Tensor, qtype: str):
+    """A GGUF tensor's raw blocks ``[n, blocks * bytes]`` (uint8) as unsigned codes ``u [n,
+    blocks, 32]`` (uint8) and the file's fp16 ``d`` and ``m`` ``[n, blocks]`` with
+    ``w = u * d + m``."""
     n = raw.shape[0]
     b = raw.reshape(n, -1, GGUF_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if qtype == "Q8_0":
         u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return (*pack(u, d, d * -128, 8), 8)
+        return u, d, d * -128
     if qtype == "Q4_1":
         m, qs = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1), b[..., 4:]
     else:
         m, qs = d * -8, b[..., 2:]
     # element j of a GGUF block sits in the low nibble of byte j, element j + 16 in its high one
-    u = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-    return (*pack(u, d, m, 4), 4)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1), d, m
+
+
+def from_gguf(raw: torch.Tensor, qtype: str):
+    """A GGUF tensor's raw blocks as the kernel's ``(wq, wd, wm, bits)``; the file's fp16
+    scales are kept bit for bit."""
+    bits = 8 if qtype == "Q8_0" else 4
+    return (*pack(*gguf_fields(raw, qtype), bits), bits)
 
 
 def quantize_q8_0(w: torch.Tensor):

@@ -43,17 +43,11 @@ def unpack_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Te
     """``raw`` ``[rows, blocks * BLOCK_BYTES]`` (uint8) as int4 values ``[rows, blocks * 32]``
     (0..15), and the per-group ``scale`` and ``zero`` ``[rows, blocks]`` (fp32) with
     ``w = (q - 8) * scale + zero``."""
-    rows = raw.shape[0]
-    b = raw.reshape(rows, -1, BLOCK_BYTES[qtype])
-    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    if qtype == "Q4_1":
-        m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-        zero, qs = m + 8 * d, b[..., 4:]
-    else:
-        zero, qs = torch.zeros_like(d), b[..., 2:]
-    # element j of a block sits in the low nibble of byte j, element j + 16 in its high nibble
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)
-    return q.to(torch.int32), d, zero
+    u, d, m = cpu_blocks.gguf_fields(raw, qtype)
+    d = d.float()
+    # u * d + m = (u - 8) * d + (m + 8 d); Q4_0's m is -8 d, so its zero is 0
+    zero = m.float() + 8 * d if qtype == "Q4_1" else torch.zeros_like(d)
+    return u.reshape(raw.shape[0], -1).to(torch.int32), d, zero
 
 
 class GGUFLinearMethod(LinearMethod):
